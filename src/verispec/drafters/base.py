@@ -1,0 +1,61 @@
+"""The drafter protocol: the only thing the engine knows about a drafter.
+
+A :class:`Drafter` is shared and stateless per request; :meth:`Drafter.start` opens a
+:class:`DraftSession` that owns whatever per-sequence state the drafter needs (a KV cache,
+an n-gram index). Each round the engine hands the session the committed sequence and asks for
+up to ``max_tokens`` drafts; the session rolls its own state back to that sequence itself
+(drafts it proposed earlier may have been rejected). Adding a drafter never touches the verifier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from verispec.sampling import SamplingParams
+
+
+@dataclass
+class DraftContext:
+    """What the engine knows when it asks for drafts."""
+
+    token_ids: list[int]  # the committed sequence: prompt + every token emitted so far
+    # Top-layer features of the target for committed positions features_start .. len(token_ids)-2,
+    # from the verification passes already run (for feature-level drafters; None unless asked for).
+    target_features: torch.Tensor | None = None  # [num_positions, hidden]
+    features_start: int = 0
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one round (possibly fewer than asked, possibly none)."""
+
+    tokens: list[int]
+    # q_draft: the distribution each draft token was sampled from, after the same sampling transform
+    # as the target's. None for a deterministic draft (and for greedy, where verification is argmax).
+    probs: torch.Tensor | None  # [len(tokens), vocab]
+    num_forward_passes: int = 0  # drafter model calls spent on this proposal
+
+    def __post_init__(self) -> None:
+        if self.probs is not None and self.probs.shape[0] != len(self.tokens):
+            raise ValueError(f"Proposal.probs has {self.probs.shape[0]} rows for {len(self.tokens)} tokens")
+
+
+class DraftSession(Protocol):
+    def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
+        """Up to ``max_tokens`` (>= 1) drafts continuing ``context.token_ids``."""
+        ...
+
+    def close(self) -> None:
+        """Free per-sequence state; called in ``finally`` even when a stream is abandoned."""
+        ...
+
+
+class Drafter(Protocol):
+    name: str
+    needs_target_features: bool  # True: the engine fills DraftContext.target_features
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> DraftSession:
+        ...

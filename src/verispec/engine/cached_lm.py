@@ -1,0 +1,106 @@
+"""One causal LM plus the KV cache of one sequence: the single owner of that cache.
+
+Every forward pass and every rollback of a sequence's cache goes through :class:`CachedLM`,
+so "what the cache holds" is always ``self.token_ids`` and nothing else. Rollback has one
+path, :meth:`CachedLM.crop`; :meth:`CachedLM.sync` (used by drafters) is crop-to-common-prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [num_logits, vocab] float32: next-token logits for the last num_logits fed tokens
+    features: torch.Tensor  # [num_fed, hidden]: the top-layer features (what the LM head reads) of the fed tokens
+
+
+@functools.cache
+def _cache_argument_name(body_class: type) -> str:
+    # transformers >= 5.2x renamed the forward argument past_key_values to cache.
+    return "cache" if "cache" in inspect.signature(body_class.forward).parameters else "past_key_values"
+
+
+class CachedLM:
+    """A Hugging Face causal LM with the KV cache of one growing, croppable sequence."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        # The body and the LM head separately: the head (vocab x hidden) is the costliest matrix
+        # of a small model, so it runs only on the rows whose logits are needed (none in prefill),
+        # and the body hands over the top-layer features that feature-level drafters (EAGLE) reuse.
+        self.body = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        config = model.config.get_text_config(decoder=True)
+        self._softcap = getattr(config, "final_logit_softcapping", None)
+        self._logit_scale = getattr(config, "logit_scale", None)
+        self.device = next(model.parameters()).device
+        self._cache_kwarg = _cache_argument_name(type(self.body))
+        self.cache = DynamicCache(config=model.config)
+        self.token_ids: list[int] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @torch.inference_mode()
+    def extend(self, new_ids: list[int], num_logits: int = 1) -> ForwardOutput:
+        """Append ``new_ids`` to the cached sequence in one forward pass.
+
+        Returns the logits predicting the token after each of the last ``num_logits`` fed tokens.
+        """
+        if not new_ids:
+            raise ValueError("extend() needs at least one new token")
+        if not 0 <= num_logits <= len(new_ids):
+            raise ValueError(f"num_logits must be in [0, {len(new_ids)}], got {num_logits}")
+        input_ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
+        out = self.body(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: self.cache})
+        self.token_ids.extend(new_ids)
+        features = out.last_hidden_state[0]  # [num_fed, hidden]
+        logits = self._logits(features[len(new_ids) - num_logits :]) if num_logits else features.new_empty(0, self.vocab_size)
+        return ForwardOutput(logits=logits, features=features)
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(features).float()
+        if self._logit_scale is not None:  # Cohere-style scaled heads
+            logits = logits * self._logit_scale
+        if self._softcap is not None:  # Gemma-2-style soft-capped logits
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    @torch.inference_mode()
+    def crop(self, length: int) -> None:
+        """Roll the cache back so that it holds exactly the first ``length`` tokens."""
+        if not 0 <= length <= len(self.token_ids):
+            raise ValueError(f"crop length must be in [0, {len(self.token_ids)}], got {length}")
+        tokens_to_remove = len(self.token_ids) - length
+        if tokens_to_remove:
+            # transformers 5 takes the number of tokens to remove as a negative count.
+            self.cache.crop(-tokens_to_remove)
+            del self.token_ids[length:]
+
+    def sync(self, token_ids: list[int]) -> list[int]:
+        """Crop to the longest common prefix with ``token_ids``; return the ids still to feed.
+
+        At least one id is always returned, so the caller gets logits for the next position.
+        """
+        common = 0
+        limit = min(len(self.token_ids), len(token_ids) - 1)
+        while common < limit and self.token_ids[common] == token_ids[common]:
+            common += 1
+        self.crop(common)
+        return token_ids[common:]
+
+    def release(self) -> None:
+        """Free the cache's memory (the object stays usable, empty)."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.token_ids = []

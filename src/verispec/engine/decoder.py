@@ -1,0 +1,224 @@
+"""The speculative decoding loop: draft -> verify (one target pass) -> accept -> roll back.
+
+Invariant between rounds: the target's cache holds the committed sequence minus its last
+token; that token is fed at the start of the next pass together with the drafts, so one pass
+scores it and all drafts, and every pass emits between 1 and gamma+1 tokens. With no drafter
+(or gamma 0) the same loop is plain autoregressive decoding, our baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verispec.drafters.base import DraftContext, Drafter, Proposal
+from verispec.engine.cached_lm import CachedLM
+from verispec.engine.stats import GenerationStats
+from verispec.engine.stopping import StopCondition
+from verispec.modelref import unwrap_model
+from verispec.rejection import greedy_verify, rejection_sample
+from verispec.sampling import SamplingParams, logits_to_probs
+
+_NO_DRAFT = Proposal(tokens=[], probs=None)
+
+
+@dataclass
+class StepResult:
+    """One verification round, as streamed."""
+
+    token_ids: list[int]  # tokens this round emitted (accepted drafts + recovered/bonus), after stop cuts
+    num_drafted: int
+    num_accepted: int
+    finish_reason: str | None  # None while running, then "stop" or "length"
+    stats: GenerationStats  # running totals for the whole generation
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # the new tokens only
+    finish_reason: str  # "stop" (a stop token/string) or "length" (max_new_tokens reached)
+    stats: GenerationStats
+    text: str | None = None  # decoded new tokens (stop strings trimmed), when a tokenizer is known
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of ``target`` with ``drafter`` proposing ``gamma`` tokens a round.
+
+    ``target`` is a transformers causal LM or a ``LoadedModel``; ``drafter`` is any object
+    implementing the :class:`~verispec.drafters.base.Drafter` protocol, or None for plain decoding.
+    """
+
+    def __init__(self, target: Any, drafter: Drafter | None = None, gamma: int = 4, tokenizer: Any | None = None) -> None:
+        self.target, target_tokenizer = unwrap_model(target, argument="target")
+        self.tokenizer = tokenizer if tokenizer is not None else target_tokenizer
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+        self.drafter = drafter
+        self.gamma = gamma
+        draft_tokenizer = getattr(drafter, "tokenizer", None)
+        if self.tokenizer is not None and draft_tokenizer is not None:
+            from verispec.models import check_same_tokenizer
+
+            check_same_tokenizer(draft_tokenizer, self.tokenizer, names=("draft", "target"))
+
+    def default_stop(self) -> list[int]:
+        """The target's end-of-sequence ids (from its generation config)."""
+        eos = getattr(self.target.generation_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[int | str] | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` new tokens after ``input_ids``.
+
+        ``stop``: token ids and/or strings that end generation (the stop token is kept, a stop
+        string is trimmed from ``text``); None means the target's EOS ids, ``[]`` never stops early.
+        """
+        token_ids: list[int] = []
+        step = None
+        for step in self.stream(input_ids, max_new_tokens, sampling, stop):
+            token_ids.extend(step.token_ids)
+        assert step is not None and step.finish_reason is not None
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = self._stop_condition(stop).trim_text(text)
+        return GenerationResult(token_ids=token_ids, finish_reason=step.finish_reason, stats=step.stats, text=text)
+
+    def stream(
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[int | str] | None = None,
+    ) -> Iterator[StepResult]:
+        """Yield one :class:`StepResult` per target call, as soon as its tokens are accepted."""
+        prompt = _validate_prompt(input_ids, self.target.get_output_embeddings().weight.shape[0])
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        sampling = sampling if sampling is not None else SamplingParams()
+        stopper = self._stop_condition(stop)
+        return self._rounds(prompt, max_new_tokens, sampling, stopper)
+
+    def _stop_condition(self, stop: Sequence[int | str] | None) -> StopCondition:
+        return StopCondition(self.default_stop() if stop is None else stop, self.tokenizer)
+
+    def _rounds(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, stopper: StopCondition) -> Iterator[StepResult]:
+        generator = sampling.make_generator()
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        target = CachedLM(self.target)
+        wants_features = bool(self.drafter is not None and self.drafter.needs_target_features)
+        session = self.drafter.start(prompt, sampling) if self.drafter is not None else None
+        tokens = list(prompt)
+        resumed = time.perf_counter()  # total_s counts our work, not the time a consumer holds a step
+        try:
+            with _timed(stats, "prefill_s"):
+                features = target.extend(prompt[:-1], num_logits=0).features if len(prompt) > 1 else None
+            while True:
+                budget = max_new_tokens - stats.new_tokens
+                num_draft = min(self.gamma, budget - 1)  # never draft what we could not emit
+                proposal = _NO_DRAFT
+                if session is not None and num_draft > 0:
+                    context = DraftContext(tokens, features if wants_features else None, len(target) - (0 if features is None else len(features)))
+                    with _timed(stats, "draft_s"):
+                        proposal = session.propose(context, num_draft, generator)
+                    proposal = _checked(proposal, num_draft, target.vocab_size, self.drafter.name)
+                with _timed(stats, "verify_s"):
+                    drafts = proposal.tokens
+                    forward = target.extend([tokens[-1]] + drafts, num_logits=len(drafts) + 1)
+                    output, num_accepted = _verify(drafts, proposal.probs, forward.logits, sampling, generator)
+                    # Keep the cache at committed-minus-last: drop the rejected drafts' keys/values.
+                    target.crop(len(tokens) + num_accepted)
+                    features = forward.features[: num_accepted + 1]
+                new_tokens, stopped = stopper.cut(output[: num_accepted + 1])
+                tokens.extend(new_tokens)
+                stats.record_round(len(drafts), num_accepted, len(new_tokens), proposal.num_forward_passes)
+                finish = "stop" if stopped else "length" if stats.new_tokens >= max_new_tokens else None
+                stats.total_s += time.perf_counter() - resumed
+                yield StepResult(new_tokens, len(drafts), num_accepted, finish, stats)
+                if finish is not None:
+                    return
+                resumed = time.perf_counter()
+        finally:
+            # Runs on normal exit, on error, and when a consumer abandons the stream (generator close).
+            if session is not None:
+                session.close()
+            target.release()
+
+
+def _verify(
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,  # [k, vocab_draft] or None
+    target_logits: torch.Tensor,  # [k+1, vocab]
+    sampling: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """Verify one sequence's drafts; return (emitted tokens, number of accepted drafts)."""
+    drafts = torch.tensor([draft_tokens], dtype=torch.long)  # [1, k]
+    if sampling.is_greedy:
+        output, num_accepted = greedy_verify(drafts, target_logits.unsqueeze(0))
+    else:
+        target_probs = logits_to_probs(target_logits, sampling).unsqueeze(0)  # [1, k+1, vocab]
+        if draft_probs is not None:
+            draft_probs = _match_vocab(draft_probs, target_probs.shape[-1]).unsqueeze(0)
+        output, num_accepted = rejection_sample(drafts, draft_probs, target_probs, generator)
+    accepted = int(num_accepted[0])
+    return output[0, : accepted + 1].tolist(), accepted
+
+
+def _checked(proposal: Proposal, max_tokens: int, vocab_size: int, drafter_name: str) -> Proposal:
+    """Refuse oversized proposals; cut one at the first token the target's vocabulary lacks.
+
+    Cutting is exact: the verifier then samples that position from p_target itself.
+    """
+    if len(proposal.tokens) > max_tokens:
+        raise RuntimeError(f"drafter {drafter_name!r} proposed {len(proposal.tokens)} tokens, asked for at most {max_tokens}")
+    in_vocab = [0 <= token < vocab_size for token in proposal.tokens]
+    if all(in_vocab):
+        return proposal
+    keep = in_vocab.index(False)
+    probs = None if proposal.probs is None else proposal.probs[:keep]
+    return Proposal(proposal.tokens[:keep], probs, proposal.num_forward_passes)
+
+
+def _match_vocab(draft_probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Align a drafter's vocabulary width with the target's.
+
+    Exact either way: padding adds zero-probability columns; dropping columns the target does
+    not have only removes tokens that p_target gives zero mass, which never enter the residual.
+    """
+    width = draft_probs.shape[-1]
+    if width < vocab:
+        return torch.nn.functional.pad(draft_probs, (0, vocab - width))
+    return draft_probs[..., :vocab]
+
+
+def _validate_prompt(input_ids: Sequence[int], vocab_size: int) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        input_ids = input_ids.reshape(-1).tolist()
+    prompt = list(input_ids)
+    if not prompt:
+        raise ValueError("input_ids must not be empty: the model needs at least one token to continue")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"input_ids must be token ids in [0, {vocab_size})")
+    return prompt
+
+
+@contextmanager
+def _timed(stats: GenerationStats, field_name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - start)

@@ -1,0 +1,283 @@
+"""The speculative decoding loop on tiny models: exactness, invariants, rollback, bad input."""
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
+from tiny_models import anti_copy, noisy_copy, tiny_target
+from verispec import DraftModel, SamplingParams, SpeculativeDecoder, logits_to_probs
+from verispec.drafters import DraftContext, Proposal
+
+PROMPTS = [[1, 2, 3], [7], [5, 17, 42, 9, 33, 60, 2, 11], list(range(10, 40))]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return DraftModel(noisy_copy(target, noise=0.2))
+
+
+@functools.cache
+def _hf_greedy(model, prompt, max_new_tokens):
+    prompt = list(prompt)
+    output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return output[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+def test_greedy_is_token_identical_to_plain_and_transformers(target, drafter, gamma):
+    plain = SpeculativeDecoder(target)
+    speculative = SpeculativeDecoder(target, drafter, gamma=gamma)
+    for prompt in PROMPTS:
+        expected = _hf_greedy(target, tuple(prompt), 48)
+        assert plain.generate(prompt, 48, stop=[]).token_ids == expected
+        result = speculative.generate(prompt, 48, stop=[])
+        assert result.token_ids == expected
+        assert 0 < result.stats.acceptance_rate < 1  # a real mix of accepted and rejected drafts
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=5)],
+    ids=["greedy", "sampled"],
+)
+def test_tokens_per_target_call_between_1_and_gamma_plus_1(target, drafter, sampling):
+    gamma = 4
+    steps = list(SpeculativeDecoder(target, drafter, gamma=gamma).stream([3, 1, 4], 80, sampling, stop=[]))
+    for step in steps:
+        assert 1 <= len(step.token_ids) <= gamma + 1
+        assert step.num_accepted == len(step.token_ids) - 1
+    stats = steps[-1].stats
+    assert sum(len(step.token_ids) for step in steps) == stats.new_tokens == 80
+    assert stats.target_calls == len(steps)
+    assert 1 < stats.tokens_per_call <= gamma + 1
+
+
+def test_identical_drafter_is_fully_accepted(target):
+    same = DraftModel(target)
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=0.7, top_p=0.8, seed=1)):
+        result = SpeculativeDecoder(target, same, gamma=4).generate([9, 8, 7], 50, sampling, stop=[])
+        # Every round but the length-limited last one takes gamma drafts plus the bonus.
+        assert result.stats.emitted_per_round[:-1] == [5] * 9
+        assert result.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=10, seed=3)], ids=["greedy", "top_k"]
+)
+def test_disjoint_drafter_yields_one_token_per_call_and_the_right_output(target, sampling):
+    anti = DraftModel(anti_copy(target))  # its top-10 is the target's bottom-10: disjoint supports
+    result = SpeculativeDecoder(target, anti, gamma=4).generate([2, 7, 1], 30, sampling, stop=[])
+    assert result.stats.emitted_per_round == [1] * 30
+    assert result.stats.acceptance_rate == 0.0
+    plain = SpeculativeDecoder(target).generate([2, 7, 1], 30, sampling, stop=[])
+    if sampling.is_greedy:
+        assert result.token_ids == plain.token_ids
+
+
+class _CheckingDrafter:
+    """Wraps a DraftModel; after each round checks both caches hold exactly the committed sequence.
+
+    The target's cache is checked through the features the engine hands over: features computed
+    incrementally through a cache that kept rejected drafts' entries would differ from a fresh
+    full forward pass over the committed tokens.
+    """
+
+    name = "checking"
+    needs_target_features = True
+
+    def __init__(self, inner: DraftModel, target):
+        self.inner, self.target = inner, target
+        self.checked_rounds = 0
+        self.closed = 0
+
+    def start(self, prompt_ids, sampling):
+        session = self.inner.start(prompt_ids, sampling)
+        wrapper = self
+
+        class Session:
+            def propose(self, context: DraftContext, max_tokens, generator):
+                wrapper._check_target(context)
+                proposal = session.propose(context, max_tokens, generator)
+                # The draft cache now holds the committed tokens plus all drafts but the last.
+                assert session.lm.token_ids == context.token_ids + proposal.tokens[:-1]
+                return proposal
+
+            def close(self):
+                wrapper.closed += 1
+                session.close()
+
+        return Session()
+
+    def _check_target(self, context: DraftContext):
+        if context.target_features is None:
+            return
+        with torch.no_grad():
+            full = self.target.model(torch.tensor([context.token_ids[:-1]])).last_hidden_state[0]
+        expected = full[context.features_start :]
+        assert context.features_start + len(context.target_features) == len(context.token_ids) - 1
+        torch.testing.assert_close(context.target_features, expected, atol=1e-4, rtol=1e-4)
+        self.checked_rounds += 1
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=11)], ids=["greedy", "sampled"])
+def test_caches_hold_exactly_the_committed_sequence_after_every_round(target, drafter, sampling):
+    checking = _CheckingDrafter(drafter, target)
+    result = SpeculativeDecoder(target, checking, gamma=4).generate([4, 4, 2, 9], 40, sampling, stop=[])
+    assert checking.checked_rounds >= result.stats.target_calls - 1
+    assert checking.closed == 1
+    assert any(0 < n < 4 for n in result.stats.accepted_per_round)  # rollbacks really happened
+
+
+def test_abandoned_stream_releases_the_drafter_session(target, drafter):
+    checking = _CheckingDrafter(drafter, target)
+    stream = SpeculativeDecoder(target, checking, gamma=3).stream([1, 2], 100, stop=[])
+    next(stream)
+    stream.close()
+    assert checking.closed == 1
+
+
+def test_stop_token_ends_generation_and_is_kept(target):
+    full = SpeculativeDecoder(target).generate([1, 2, 3], 40, stop=[]).token_ids
+    stop_token = full[10]
+    first = full.index(stop_token)
+    result = SpeculativeDecoder(target, DraftModel(target), gamma=4).generate([1, 2, 3], 40, stop=[stop_token])
+    assert result.token_ids == full[: first + 1]
+    assert result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13])
+def test_never_more_than_max_new_tokens(target, drafter, max_new_tokens):
+    result = SpeculativeDecoder(target, drafter, gamma=8).generate([5, 6], max_new_tokens, stop=[])
+    assert len(result.token_ids) == max_new_tokens and result.finish_reason == "length"
+
+
+# --- distribution end to end: the exact law of the first two tokens can be enumerated -------------
+
+SMALL_VOCAB = 6
+RUNS = 3000
+
+
+def _exact_first_two(model, prompt, sampling):
+    """P(t1, t2) = p(t1 | prompt) * p(t2 | prompt, t1), computed from the target directly."""
+    with torch.no_grad():
+        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], sampling)
+        table = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
+        for t1 in range(SMALL_VOCAB):
+            second = logits_to_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1], sampling)
+            table[t1] = first[t1] * second
+    return table
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3), SamplingParams(temperature=1.2, top_p=0.75)],
+    ids=["temperature", "top_k", "top_p"],
+)
+def test_generated_tokens_follow_the_target_distribution(sampling):
+    target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
+    draft = noisy_copy(target, noise=0.5, seed=9)
+    prompt = [1, 3, 2]
+    expected = _exact_first_two(target, prompt, sampling)
+    decoder = SpeculativeDecoder(target, DraftModel(draft), gamma=2)
+    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
+    accepted = 0
+    for seed in range(RUNS):
+        params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+        result = decoder.generate(prompt, 2, params, stop=[])
+        counts[result.token_ids[0], result.token_ids[1]] += 1
+        accepted += result.stats.num_accepted
+    assert 0.1 * RUNS < accepted < RUNS  # the draft is neither always right nor always wrong
+    assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda d: d.generate([], 5), "input_ids"),
+        (lambda d: d.generate([1, 2], 0), "max_new_tokens"),
+        (lambda d: d.generate([1, 2], -3), "max_new_tokens"),
+        (lambda d: d.generate([1, 10_000], 5), "input_ids"),
+        (lambda d: d.stream([1, 2], 5, stop=["x"]), "stop strings need a tokenizer"),
+        (lambda d: d.generate([1, 2], 5, SamplingParams(top_p=2.0)), "top_p"),
+    ],
+)
+def test_bad_generate_arguments(target, drafter, call, argument):
+    with pytest.raises(ValueError, match=argument):
+        call(SpeculativeDecoder(target, drafter, gamma=2))
+
+
+@pytest.mark.parametrize("gamma", [0, -1, 2.5, True])
+def test_bad_gamma(target, drafter, gamma):
+    with pytest.raises(ValueError, match="gamma"):
+        SpeculativeDecoder(target, drafter, gamma=gamma)
+
+
+def test_bad_models():
+    with pytest.raises(ValueError, match="target"):
+        SpeculativeDecoder("not a model")
+    with pytest.raises(ValueError, match="DraftModel"):
+        DraftModel(42)
+
+
+def test_oversized_proposal_is_refused(target):
+    class Greedy:
+        name, needs_target_features = "too-many", False
+
+        def start(self, prompt_ids, sampling):
+            class Session:
+                def propose(self, context, max_tokens, generator):
+                    return Proposal(tokens=[1] * (max_tokens + 1), probs=None)
+
+                def close(self):
+                    pass
+
+            return Session()
+
+    with pytest.raises(RuntimeError, match="too-many"):
+        SpeculativeDecoder(target, Greedy(), gamma=2).generate([1], 5, stop=[])
+
+
+def test_deterministic_drafter_with_sampling_keeps_outputs_valid(target):
+    """A model-free drafter (probs=None) goes through the deterministic-draft rule."""
+
+    class Repeat:
+        name, needs_target_features = "repeat-last", False
+
+        def start(self, prompt_ids, sampling):
+            class Session:
+                def propose(self, context, max_tokens, generator):
+                    return Proposal(tokens=[context.token_ids[-1]] * max_tokens, probs=None)
+
+                def close(self):
+                    pass
+
+            return Session()
+
+    for seed in range(3):
+        result = SpeculativeDecoder(target, Repeat(), gamma=3).generate([1, 1, 1], 20, SamplingParams(temperature=1.0, seed=seed), stop=[])
+        assert len(result.token_ids) == 20
+        assert all(1 <= n <= 4 for n in result.stats.emitted_per_round)
+
+
+def test_seeded_sampling_repeats(target, drafter):
+    decoder = SpeculativeDecoder(target, drafter, gamma=3)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    assert decoder.generate([8, 9], 30, params, stop=[]).token_ids == decoder.generate([8, 9], 30, params, stop=[]).token_ids
+
+
+def test_all_gammas_and_prompts_share_one_plain_reference(target, drafter):
+    """Plain decoding through our loop never drafts and calls the target once per token."""
+    for prompt, n in itertools.product(PROMPTS[:2], [1, 7]):
+        result = SpeculativeDecoder(target).generate(prompt, n, stop=[])
+        assert result.stats.target_calls == n and result.stats.draft_calls == 0
