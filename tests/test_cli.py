@@ -1,0 +1,65 @@
+"""The command line on a tiny GGUF model (real tokenizer layout and chat template)."""
+
+import json
+
+import pytest
+
+from tiny_models import write_tiny_qwen2_gguf
+from verispec.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    write_tiny_qwen2_gguf(path)
+    return str(path)
+
+
+def test_generate_streams_text_and_stats(tiny_gguf, capsys):
+    args = ["generate", "--target", tiny_gguf, "--draft", tiny_gguf, "--gamma", "3", "--max-new-tokens", "12", "the hello"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()  # the tiny model's text
+    assert "12 tokens" in err and "tau" in err and "alpha 1.00" in err  # identical draft: all accepted
+
+
+def test_generate_plain_matches_speculative_text(tiny_gguf, capsys):
+    common = ["--target", tiny_gguf, "--max-new-tokens", "10", "--raw", "hello the"]
+    assert main(["generate", "--draft", "none", *common]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", "--draft", tiny_gguf, *common]) == 0
+    assert capsys.readouterr().out == plain
+
+
+def test_compare_writes_json(tiny_gguf, tmp_path, capsys):
+    report = tmp_path / "report.json"
+    args = ["compare", "--target", tiny_gguf, "--draft", tiny_gguf, "--max-new-tokens", "8", "--json", str(report), "hi"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "median speed-up" in out and "identical to plain 1/1" in out
+    payload = json.loads(report.read_text())
+    assert payload["summary"]["identical"] == 1
+    assert payload["prompts"][0]["speculative_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--gamma", "0"], "--gamma"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--temperature", "-1"], "temperature"),
+        (["--draft", "/nonexistent/model.gguf"], "does not exist"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(tiny_gguf, capsys, extra, message):
+    assert main(["generate", "--target", tiny_gguf, *extra, "x"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err and "Traceback" not in err
+
+
+def test_not_a_gguf_is_a_clear_error(tmp_path, capsys):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf at all")
+    assert main(["generate", "--target", str(fake), "--draft", "none", "x"]) == 2
+    assert "not a GGUF file" in capsys.readouterr().err
