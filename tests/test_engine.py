@@ -9,7 +9,7 @@ import torch
 from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
 from tiny_models import anti_copy, noisy_copy, tiny_target
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder, logits_to_probs
-from verispec.drafters import DraftContext, Proposal
+from verispec.drafters import DraftContext, NgramDrafter, Proposal
 
 PROMPTS = [[1, 2, 3], [7], [5, 17, 42, 9, 33, 60, 2, 11], list(range(10, 40))]
 
@@ -177,16 +177,21 @@ def _exact_first_two(model, prompt, sampling):
 
 
 @pytest.mark.parametrize(
-    "sampling",
-    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3), SamplingParams(temperature=1.2, top_p=0.75)],
-    ids=["temperature", "top_k", "top_p"],
+    ("sampling", "drafter_kind"),
+    [
+        (SamplingParams(temperature=1.0), "draft-model"),
+        (SamplingParams(temperature=0.8, top_k=3), "draft-model"),
+        (SamplingParams(temperature=1.2, top_p=0.75), "draft-model"),
+        (SamplingParams(temperature=1.0), "ngram"),
+    ],
+    ids=["temperature", "top_k", "top_p", "ngram-deterministic"],
 )
-def test_generated_tokens_follow_the_target_distribution(sampling):
+def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind):
     target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
-    draft = noisy_copy(target, noise=0.5, seed=9)
-    prompt = [1, 3, 2]
+    prompt = [1, 3, 2, 1, 3, 2, 1]  # repeats, so prompt lookup always has a draft to offer
     expected = _exact_first_two(target, prompt, sampling)
-    decoder = SpeculativeDecoder(target, DraftModel(draft), gamma=2)
+    drafter = DraftModel(noisy_copy(target, noise=0.5, seed=9)) if drafter_kind == "draft-model" else NgramDrafter()
+    decoder = SpeculativeDecoder(target, drafter, gamma=2)
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
     accepted = 0
     for seed in range(RUNS):
@@ -281,3 +286,23 @@ def test_all_gammas_and_prompts_share_one_plain_reference(target, drafter):
     for prompt, n in itertools.product(PROMPTS[:2], [1, 7]):
         result = SpeculativeDecoder(target).generate(prompt, n, stop=[])
         assert result.stats.target_calls == n and result.stats.draft_calls == 0
+
+
+def test_mismatched_tokenizers_are_refused(target):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from verispec.models import LoadedModel, TokenizerMismatchError
+
+    def tokenizer(words):
+        backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>")
+
+    words = ["[UNK]", "<eos>", "hello", "world", "def", "return"]
+    swapped = ["[UNK]", "<eos>", "world", "hello", "def", "return"]
+    target_model = LoadedModel(target, tokenizer(words), "tiny-target", None)
+    draft_model = LoadedModel(target, tokenizer(swapped), "tiny-draft", None)
+    with pytest.raises(TokenizerMismatchError, match="draft"):
+        SpeculativeDecoder(target_model, DraftModel(draft_model))
+    SpeculativeDecoder(target_model, DraftModel(LoadedModel(target, tokenizer(words), "same", None)))

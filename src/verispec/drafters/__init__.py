@@ -2,5 +2,6 @@
 
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal
 from verispec.drafters.draft_model import DraftModel
+from verispec.drafters.ngram import NgramDrafter
 
-__all__ = ["DraftContext", "DraftModel", "DraftSession", "Drafter", "Proposal"]
+__all__ = ["DraftContext", "DraftModel", "NgramDrafter", "DraftSession", "Drafter", "Proposal"]
