@@ -306,3 +306,14 @@ def test_mismatched_tokenizers_are_refused(target):
     with pytest.raises(TokenizerMismatchError, match="draft"):
         SpeculativeDecoder(target_model, DraftModel(draft_model))
     SpeculativeDecoder(target_model, DraftModel(LoadedModel(target, tokenizer(words), "same", None)))
+
+
+def test_int8_quantized_draft_keeps_output_exact(target):
+    """Whatever the drafter computes, verification keeps the target's output (int8 draft here)."""
+    from verispec.models import quantize_int8
+
+    quantized = quantize_int8(noisy_copy(target, noise=0.1))
+    assert isinstance(quantized.lm_head, torch.ao.nn.quantized.dynamic.Linear)
+    result = SpeculativeDecoder(target, DraftModel(quantized), gamma=4).generate([6, 1, 7], 40, stop=[])
+    assert result.token_ids == SpeculativeDecoder(target).generate([6, 1, 7], 40, stop=[]).token_ids
+    assert result.stats.acceptance_rate > 0.3

@@ -47,7 +47,8 @@ class CachedLM:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.lm_head.weight.shape[0])
+        """Width of the logits (rows of the LM head; quantised heads expose out_features)."""
+        return int(self.lm_head.out_features)
 
     def __len__(self) -> int:
         return len(self.token_ids)

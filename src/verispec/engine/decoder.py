@@ -18,6 +18,7 @@ import torch
 
 from verispec.drafters.base import DraftContext, Drafter, Proposal
 from verispec.engine.cached_lm import CachedLM
+from verispec.engine.gamma import AdaptiveGamma
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
 from verispec.modelref import unwrap_model
@@ -51,15 +52,27 @@ class SpeculativeDecoder:
 
     ``target`` is a transformers causal LM or a ``LoadedModel``; ``drafter`` is any object
     implementing the :class:`~verispec.drafters.base.Drafter` protocol, or None for plain decoding.
+    ``adaptive_gamma``: choose 0..gamma drafts each round from measured costs and acceptance
+    (:class:`~verispec.engine.gamma.AdaptiveGamma`) instead of always drafting gamma.
     """
 
-    def __init__(self, target: Any, drafter: Drafter | None = None, gamma: int = 4, tokenizer: Any | None = None) -> None:
+    def __init__(
+        self,
+        target: Any,
+        drafter: Drafter | None = None,
+        gamma: int = 4,
+        tokenizer: Any | None = None,
+        adaptive_gamma: bool = False,
+    ) -> None:
         self.target, target_tokenizer = unwrap_model(target, argument="target")
         self.tokenizer = tokenizer if tokenizer is not None else target_tokenizer
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
         self.drafter = drafter
         self.gamma = gamma
+        # One controller per decoder: the measured costs (draft step, verify per row count) are
+        # properties of the models and machine, so they carry over from one generation to the next.
+        self._gamma_controller = AdaptiveGamma(gamma) if adaptive_gamma and drafter is not None else None
         draft_tokenizer = getattr(drafter, "tokenizer", None)
         if self.tokenizer is not None and draft_tokenizer is not None:
             from verispec.models import check_same_tokenizer
@@ -104,7 +117,7 @@ class SpeculativeDecoder:
         stop: Sequence[int | str] | None = None,
     ) -> Iterator[StepResult]:
         """Yield one :class:`StepResult` per target call, as soon as its tokens are accepted."""
-        prompt = _validate_prompt(input_ids, self.target.get_output_embeddings().weight.shape[0])
+        prompt = _validate_prompt(input_ids, self.target.get_output_embeddings().out_features)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = sampling if sampling is not None else SamplingParams()
@@ -121,20 +134,26 @@ class SpeculativeDecoder:
         wants_features = bool(self.drafter is not None and self.drafter.needs_target_features)
         session = self.drafter.start(prompt, sampling) if self.drafter is not None else None
         tokens = list(prompt)
+        controller = self._gamma_controller
+        if controller is not None:
+            controller.start_sequence()
+        drafted_before = False  # a session's first proposal also pays the drafter's prompt prefill
         resumed = time.perf_counter()  # total_s counts our work, not the time a consumer holds a step
         try:
             with _timed(stats, "prefill_s"):
                 features = target.extend(prompt[:-1], num_logits=0).features if len(prompt) > 1 else None
             while True:
                 budget = max_new_tokens - stats.new_tokens
-                num_draft = min(self.gamma, budget - 1)  # never draft what we could not emit
-                proposal = _NO_DRAFT
+                wanted = controller.choose() if controller is not None else self.gamma
+                num_draft = min(wanted, budget - 1)  # never draft what we could not emit
+                proposal, draft_elapsed = _NO_DRAFT, 0.0
                 if session is not None and num_draft > 0:
                     context = DraftContext(tokens, features if wants_features else None, len(target) - (0 if features is None else len(features)))
-                    with _timed(stats, "draft_s"):
+                    with _timed(stats, "draft_s") as draft_clock:
                         proposal = session.propose(context, num_draft, generator)
+                    draft_elapsed = draft_clock.elapsed
                     proposal = _checked(proposal, num_draft, target.vocab_size, self.drafter.name)
-                with _timed(stats, "verify_s"):
+                with _timed(stats, "verify_s") as verify_clock:
                     drafts = proposal.tokens
                     forward = target.extend([tokens[-1]] + drafts, num_logits=len(drafts) + 1)
                     output, num_accepted = _verify(drafts, proposal.probs, forward.logits, sampling, generator)
@@ -144,6 +163,10 @@ class SpeculativeDecoder:
                 new_tokens, stopped = stopper.cut(output[: num_accepted + 1])
                 tokens.extend(new_tokens)
                 stats.record_round(len(drafts), num_accepted, len(new_tokens), proposal.num_forward_passes)
+                if controller is not None:
+                    passes = proposal.num_forward_passes if drafted_before else 0  # prefill is no draft step
+                    controller.observe(len(drafts), num_accepted, draft_elapsed, verify_clock.elapsed, passes)
+                drafted_before = drafted_before or proposal.num_forward_passes > 0
                 finish = "stop" if stopped else "length" if stats.new_tokens >= max_new_tokens else None
                 stats.total_s += time.perf_counter() - resumed
                 yield StepResult(new_tokens, len(drafts), num_accepted, finish, stats)
@@ -215,10 +238,18 @@ def _validate_prompt(input_ids: Sequence[int], vocab_size: int) -> list[int]:
     return prompt
 
 
+@dataclass
+class _Clock:
+    elapsed: float = 0.0
+
+
 @contextmanager
-def _timed(stats: GenerationStats, field_name: str) -> Iterator[None]:
+def _timed(stats: GenerationStats, field_name: str) -> Iterator[_Clock]:
+    """Time a block, add it to ``stats.<field_name>`` and expose it as ``clock.elapsed``."""
+    clock = _Clock()
     start = time.perf_counter()
     try:
-        yield
+        yield clock
     finally:
-        setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - start)
+        clock.elapsed = time.perf_counter() - start
+        setattr(stats, field_name, getattr(stats, field_name) + clock.elapsed)

@@ -10,6 +10,7 @@
 from .convert import convert_gguf
 from .fetch import ModelFetchError, fetch_gguf
 from .loading import LoadedModel, NotAGGUFError, load_model, prepare_builtin
+from .quantize import quantize_int8
 from .registry import BUILTIN_MODELS, DEFAULT_DRAFT, DEFAULT_TARGET, BuiltinModel, default_cache_dir
 from .text import PROBES, TokenizerMismatchError, check_same_tokenizer, encode_prompt
 
@@ -30,4 +31,5 @@ __all__ = [
     "fetch_gguf",
     "load_model",
     "prepare_builtin",
+    "quantize_int8",
 ]

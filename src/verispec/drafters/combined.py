@@ -1,0 +1,44 @@
+"""Prompt lookup when it finds a match, a drafter model otherwise.
+
+Copying from the context costs nothing, so it goes first; the model drafts only the rounds the
+lookup cannot. Each round's proposal comes whole from one of the two, with that drafter's own
+q_draft (None for lookup), so verification stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal
+from verispec.sampling import SamplingParams
+
+
+class CombinedDrafter:
+    needs_target_features = False
+
+    def __init__(self, primary: Drafter, fallback: Drafter) -> None:
+        if primary.needs_target_features or fallback.needs_target_features:
+            raise ValueError("CombinedDrafter does not pass target features; combine drafters that need none")
+        self.primary, self.fallback = primary, fallback
+        self.name = f"{primary.name}+{fallback.name}"
+        self.tokenizer = getattr(fallback, "tokenizer", None)  # checked against the target's
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "CombinedSession":
+        return CombinedSession(self.primary.start(prompt_ids, sampling), self.fallback.start(prompt_ids, sampling))
+
+
+class CombinedSession:
+    def __init__(self, primary: DraftSession, fallback: DraftSession) -> None:
+        self.primary, self.fallback = primary, fallback
+
+    def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
+        proposal = self.primary.propose(context, max_tokens, generator)
+        if proposal.tokens:
+            return proposal
+        return self.fallback.propose(context, max_tokens, generator)
+
+    def close(self) -> None:
+        try:
+            self.primary.close()
+        finally:
+            self.fallback.close()

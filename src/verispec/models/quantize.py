@@ -1,0 +1,29 @@
+"""Weight-only speed-ups for drafters: int8 dynamic quantisation of the linear layers.
+
+A drafter may compute anything: verification uses the probabilities it actually sampled from,
+so quantising the draft keeps the output exact while making each draft step cheaper. The
+target is never quantised here (its precision is the user's choice of dtype).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import PreTrainedModel
+
+
+def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
+    """Swap every ``nn.Linear`` for PyTorch's int8 dynamic-quantised linear (per-tensor weights).
+
+    Uses torch's own module swap on this instance (no transformers class is modified).
+    The embedding stays float32. Returns the same model object, quantised in place.
+    """
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("int8 quantisation needs a float32 model; load it with dtype=torch.float32")
+    with warnings.catch_warnings():
+        # torch 2.13 marks quantised tensor creation as deprecated; the pinned version supports it.
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return model
