@@ -63,3 +63,16 @@ def test_not_a_gguf_is_a_clear_error(tmp_path, capsys):
     fake.write_bytes(b"not a gguf at all")
     assert main(["generate", "--target", str(fake), "--draft", "none", "x"]) == 2
     assert "not a GGUF file" in capsys.readouterr().err
+
+
+def test_ngram_drafter_and_plain_give_the_same_text(tiny_gguf, capsys):
+    common = ["--target", tiny_gguf, "--max-new-tokens", "16", "--raw", "the hello the hello the"]
+    assert main(["generate", "--drafter", "none", *common]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", "--drafter", "ngram", *common]) == 0
+    assert capsys.readouterr().out == plain
+
+
+def test_compare_refuses_no_drafter(tiny_gguf, capsys):
+    assert main(["compare", "--target", tiny_gguf, "--drafter", "none", "x"]) == 2
+    assert "needs a drafter" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, compare, fetch."""
+"""The `verispec` command line: generate, compare, bench, fetch."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a doctest."
@@ -14,6 +15,7 @@ DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded by `bench` in its report
     try:
         return args.handler(args)
     except KeyboardInterrupt:
@@ -24,6 +26,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
+    """How the models run (never what they output: the verifier keeps the target's distribution)."""
+    sub.add_argument("--target-kernels", choices=["packed", "dense"], default="packed", help="packed (default): oneDNN-packed weights for verification passes of 4+ tokens, which cost ~2x a plain step with the dense kernels on CPU (uses a second copy of the target's weights); dense: PyTorch's default only")
+    sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model, ~2.5x cheaper draft steps; the output stays exact whatever the draft computes")
+
+
+def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: ANN001 - LoadedModels
+    import torch
+
+    from verispec.models import quantize_int8
+    from verispec.models.packed_linear import onednn_packing_available, pack_linears
+
+    if args.target_kernels == "packed" and target.model.dtype == torch.float32 and onednn_packing_available():
+        pack_linears(target.model)
+    if draft is not None and args.draft_quantize == "int8":
+        quantize_int8(draft.model)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -32,7 +52,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     def model_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
-        sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
+        sub.add_argument("--drafter", choices=["draft-model", "ngram", "none"], default="draft-model", help="how drafts are made: a small draft model (default), prompt lookup (ngram), or none (plain decoding)")
+        sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
         sub.add_argument("--gamma", type=int, default=4, help="draft tokens per target call (default 4)")
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
         sub.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -42,6 +63,7 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--raw", action="store_true", help="do not apply the chat template")
         sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
         sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
+        _add_kernel_options(sub)
 
     generate = commands.add_parser("generate", help="generate text with speculative decoding, streamed as tokens are accepted")
     model_options(generate)
@@ -60,7 +82,50 @@ def _build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("names", nargs="*", default=[DEFAULT_TARGET, DEFAULT_DRAFT])
     fetch.add_argument("--cache-dir", type=Path, default=None)
     fetch.set_defaults(handler=_fetch)
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
+    from verispec.bench.methods import DEFAULT_METHODS, METHODS, QUICK_METHODS
+    from verispec.bench.prompts import DEFAULT_SPEC_BENCH
+    from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark decoding methods side by side on prompt sets: speed-up, alpha, tau, identical outputs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run every method on every prompt (all methods on a prompt before the next prompt), on the same\n"
+            "models, prompts and settings. Reports tokens/s, speed-up over plain decoding (ours and Hugging\n"
+            "Face's), alpha, tau, acceptance by draft position, outputs identical to plain greedy, peak RSS,\n"
+            "per category; writes results.json, report.md and PNG plots to --out. Ctrl-C stops the run and\n"
+            "still writes what was measured."
+        ),
+        epilog="methods:\n" + "\n".join(f"  {m.name:<22}{m.description}" for m in METHODS.values()),
+    )
+    bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
+    bench.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for the methods that use one (default {DEFAULT_DRAFT}); loaded only if needed")
+    bench.add_argument("--methods", default=None, metavar="A,B", help=f"comma list of methods (below); default: all {len(DEFAULT_METHODS)}; with --quick: {','.join(QUICK_METHODS)}")
+    bench.add_argument("--set", dest="sets", default=None, metavar="SETS", help="prompt sets, comma list of humaneval, spec-bench, file (default humaneval,spec-bench; file when --prompts is given)")
+    bench.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl", help='user prompts, one JSON object a line: {"id"?, "category"?, "prompt": str} or {..., "turns": [str, ...]}')
+    bench.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
+    bench.add_argument("--categories", default=None, metavar="A,B", help="comma list of categories to keep (e.g. humaneval,coding,rag)")
+    bench.add_argument("--num-prompts", type=int, default=None, metavar="N", help="at most N prompts per category; HumanEval is one category (default 3 for humaneval and spec-bench, all of a --prompts file; --quick: 2 HumanEval, 1 per Spec-Bench category)")
+    bench.add_argument("--multi-turn", action="store_true", help="also run the later turns of multi-turn prompts, after our plain decoding's answer to the earlier turns")
+    bench.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="new tokens at most (default 128; --quick: 32)")
+    bench.add_argument("--gamma", type=int, default=4, help="draft tokens per target call for our speculative methods (the maximum for -adaptive) (default 4)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    bench.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    bench.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1 = off")
+    bench.add_argument("--seed", type=int, default=None, help="sampling seed (each run starts from it)")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
+    _add_kernel_options(bench)
+    bench.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory (default bench-results/<timestamp>/)")
+    bench.add_argument("--quick", action="store_true", help="a small preset for iteration: 2 HumanEval prompts + 1 per Spec-Bench category, 32 new tokens, methods plain,draft-model,ngram (about 10-15 minutes for the built-in models on a 2-core CPU); explicit options override it")
+    bench.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short untimed run of each method before timing")
+    bench.set_defaults(handler=_bench)
 
 
 def _sampling(args: argparse.Namespace):
@@ -73,7 +138,7 @@ def _load(args: argparse.Namespace):
     """Load target (and draft) and build plain and speculative decoders."""
     import torch
 
-    from verispec.drafters import DraftModel
+    from verispec.drafters import DraftModel, NgramDrafter
     from verispec.engine import SpeculativeDecoder
     from verispec.models import load_model
 
@@ -88,9 +153,11 @@ def _load(args: argparse.Namespace):
         raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
     started = time.perf_counter()
     target = load_model(args.target, cache_dir=args.cache_dir)
-    drafter = None
-    if args.draft.lower() != "none":
-        drafter = DraftModel(load_model(args.draft, cache_dir=args.cache_dir), name=args.draft)
+    draft = None
+    if args.drafter == "draft-model" and args.draft.lower() != "none":
+        draft = load_model(args.draft, cache_dir=args.cache_dir)
+    _prepare_models(args, target, draft)
+    drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft) if draft is not None else None
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     plain = SpeculativeDecoder(target)
     speculative = SpeculativeDecoder(target, drafter, gamma=args.gamma) if drafter is not None else plain
@@ -131,8 +198,8 @@ def _compare(args: argparse.Namespace) -> int:
     from verispec.bench.compare import compare_one, rows_to_dicts, summarize
     from verispec.bench.prompts import Prompt, humaneval_prompts
 
-    if args.draft.lower() == "none":
-        raise ValueError("compare needs a draft model (--draft NAME)")
+    if args.drafter == "none" or (args.drafter == "draft-model" and args.draft.lower() == "none"):
+        raise ValueError("compare needs a drafter: --drafter ngram, or --drafter draft-model with --draft NAME")
     prompts = humaneval_prompts(args.humaneval) if args.humaneval is not None else [Prompt("prompt", "user", args.prompt)]
     target, plain, speculative, sampling = _load(args)
     rows, spec_stats = [], []
@@ -150,7 +217,8 @@ def _compare(args: argparse.Namespace) -> int:
         if len(prompts) == 1:
             bar.write(spec_result.text or "")
     summary = summarize(rows, spec_stats)
-    print(f"{args.target} + {args.draft}, gamma {args.gamma}, {args.max_new_tokens} new tokens: {summary.line()}")
+    drafter_name = args.draft if args.drafter == "draft-model" else args.drafter
+    print(f"{args.target} + {drafter_name}, gamma {args.gamma}, {args.max_new_tokens} new tokens: {summary.line()}")
     if args.json is not None:
         payload = {"settings": {k: str(v) for k, v in vars(args).items() if k != "handler"}, "summary": summary.__dict__, "prompts": rows_to_dicts(rows)}
         args.json.write_text(json.dumps(payload, indent=2))
@@ -167,6 +235,186 @@ def _fetch(args: argparse.Namespace) -> int:
         path = prepare_builtin(BUILTIN_MODELS[name], Path(cache_dir))
         print(f"{name}: {path}")
     return 0
+
+
+@dataclass(frozen=True)
+class _BenchPreset:
+    """Defaults of `verispec bench` that --quick changes; explicit options override either."""
+
+    methods: tuple[str, ...]
+    max_new_tokens: int
+    per_category: dict[str, int | None]  # prompt set -> prompts per category (None: all)
+
+
+def _bench_preset(quick: bool) -> _BenchPreset:
+    from verispec.bench.methods import DEFAULT_METHODS, QUICK_METHODS
+
+    if quick:
+        # 15 prompts (~2,450 prompt tokens with the built-in tokenizer), 32 new tokens, 3 methods. On the
+        # 2-core CPU with the built-in pair (target step ~0.3 s, draft step ~0.12 s, prefill ~25 ms a
+        # token): per method ~60 s of target prefill + ~140 s of decoding (+25 s of draft prefill for
+        # draft-model) -> ~11 min with warm-up and loading; 15 min if decoding runs at 0.45 s a token.
+        return _BenchPreset(QUICK_METHODS, 32, {"humaneval": 2, "spec-bench": 1, "file": None})
+    return _BenchPreset(DEFAULT_METHODS, 128, {"humaneval": 3, "spec-bench": 3, "file": None})
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import shlex
+
+    import torch
+    from tqdm import tqdm
+
+    from verispec.bench import report
+    from verispec.bench.methods import METHODS, build_method, parse_methods, unavailable_reason
+    from verispec.bench.plots import write_plots
+    from verispec.bench.runner import BenchRun, BenchSettings, count_runs, run_bench
+    from verispec.bench.summary import reference_method, summarize
+    from verispec.models import load_model
+
+    # Validate everything cheap before minutes of model loading.
+    preset = _bench_preset(args.quick)
+    names = parse_methods(args.methods if args.methods is not None else ",".join(preset.methods))
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else preset.max_new_tokens
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if args.gamma < 1:
+        raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    sampling = _sampling(args)
+    prompts, per_set = _bench_prompts(args, preset)
+    skipped = {name: reason for name in names if (reason := unavailable_reason(name)) is not None}
+    for name, reason in skipped.items():
+        print(f"verispec bench: skipping {name}: {reason}", file=sys.stderr)
+    names = [name for name in names if name not in skipped]
+    if not names:
+        raise ValueError("no method left to run (all requested methods are unavailable in this build)")
+    needs_draft = any(METHODS[name].needs_draft for name in names)
+    if needs_draft and args.draft.lower() == "none":
+        raise ValueError(f"--draft none, but {', '.join(n for n in names if METHODS[n].needs_draft)} need(s) a draft model")
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
+    out_dir = args.out if args.out is not None else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    loading = time.perf_counter()
+    target = load_model(args.target, cache_dir=args.cache_dir)
+    draft = load_model(args.draft, cache_dir=args.cache_dir) if needs_draft else None
+    _prepare_models(args, target, draft)
+    print(f"loaded in {time.perf_counter() - loading:.1f}s", file=sys.stderr)
+    if target.tokenizer is None:
+        raise ValueError("the target has no tokenizer; benchmark prompts are text")
+    if args.multi_turn and not target.tokenizer.chat_template and any(p.follow_ups for p in prompts):
+        raise ValueError("--multi-turn needs a target with a chat template (to place earlier answers in the conversation)")
+    methods = {name: build_method(name, target, draft, args.gamma) for name in names}
+    answer_method = build_method("plain", target, None, args.gamma) if args.multi_turn and "plain" not in methods else None
+    settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup)
+
+    recorded = {
+        "target": args.target,
+        "draft": args.draft if needs_draft else None,
+        "methods": names,
+        "sets": list(per_set),
+        "num_prompts_per_category": per_set,
+        "categories": args.categories,
+        "spec_bench": str(args.spec_bench) if "spec-bench" in per_set else None,
+        "prompts_file": str(args.prompts) if args.prompts else None,
+        "multi_turn": args.multi_turn,
+        "max_new_tokens": max_new_tokens,
+        "gamma": args.gamma,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "warmup": args.warmup,
+    }
+    machine = report.machine_info()
+    command = shlex.join(["verispec", *args.argv])
+    prompt_list = [{"id": p.id, "category": p.category, "turns": len(p.turns)} for p in prompts]
+    clock = time.perf_counter()
+
+    def payload(run, summaries):  # noqa: ANN001, ANN202
+        return report.results_payload(
+            run, summaries, settings=recorded, machine=machine, command=command, started=started_at,
+            elapsed_s=time.perf_counter() - clock, skipped=skipped, prompts=prompt_list,
+            reference=reference_method(names) if sampling.is_greedy else None,
+        )  # fmt: skip
+
+    so_far = BenchRun()  # saved after every prompt turn, in case the process is killed outright
+
+    def on_turn_done(rows):  # noqa: ANN001, ANN202
+        bar.write(report.turn_line(rows))
+        so_far.rows.extend(rows)
+        report.write_json(payload(so_far, summarize(so_far.rows, names, sampling.is_greedy)), out_dir / "results.json")
+
+    def on_row(row):  # noqa: ANN001, ANN202
+        bar.update(1)
+        bar.set_postfix_str(f"{row.method} {row.label}: {row.tokens_per_second:.2f} tok/s", refresh=True)
+
+    print(f"{len(prompts)} prompts x {len(methods)} methods -> {out_dir}", file=sys.stderr)
+    with tqdm(total=count_runs(prompts, methods, args.multi_turn), desc="bench", unit="run", file=sys.stderr) as bar:
+        run = run_bench(prompts, methods, settings, target.tokenizer, answer_method=answer_method, on_row=on_row, on_turn_done=on_turn_done)
+
+    summaries = summarize(run.rows, names, sampling.is_greedy, run.peak_rss)
+    results = payload(run, summaries)
+    report.write_json(results, out_dir / "results.json")
+    baseline = reference_method([s.method for s in summaries])  # plain, else hf-plain, else None
+    plots = write_plots(summaries, baseline, out_dir) if summaries else []
+    (out_dir / "report.md").write_text(report.markdown_report(results, summaries, plots))
+    if summaries:
+        print(report.terminal_table(*report.summary_table(summaries, results["identical_reference"], run.rss_before)))
+        if baseline is not None and len(summaries) > 1:
+            print(f"\nmedian speed-up vs {baseline} by category:")
+            print(report.terminal_table(*report.category_table(summaries, baseline)))
+    state = "" if run.complete else f" (PARTIAL: {run.stopped_by})"
+    print(f"\nresults{state}: {out_dir / 'results.json'}, {out_dir / 'report.md'}", file=sys.stderr)
+    if isinstance(run.error, KeyboardInterrupt):
+        return 130
+    if run.error is not None:
+        raise run.error
+    return 0
+
+
+def _bench_prompts(args: argparse.Namespace, preset: _BenchPreset):
+    """The prompts of the chosen sets, filtered; and the per-category limit used for each set."""
+    from verispec.bench.prompts import first_per_category, humaneval_prompts, prompts_from_file, spec_bench_prompts
+
+    sets = list(dict.fromkeys(s.strip() for s in (args.sets or ("file" if args.prompts else "humaneval,spec-bench")).split(",") if s.strip()))
+    unknown = [s for s in sets if s not in ("humaneval", "spec-bench", "file")]
+    if unknown or not sets:
+        raise ValueError(f"--set: unknown {', '.join(map(repr, unknown)) or 'empty list'}; choose from humaneval, spec-bench, file")
+    if "file" in sets and args.prompts is None:
+        raise ValueError("--set file needs --prompts FILE.jsonl")
+    if "file" not in sets and args.prompts is not None:
+        raise ValueError("--prompts is given but --set does not include 'file'")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    per_set = {s: args.num_prompts if args.num_prompts is not None else preset.per_category[s] for s in sets}
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    loaded = {
+        "humaneval": lambda: humaneval_prompts(),
+        "spec-bench": lambda: spec_bench_prompts(args.spec_bench),
+        "file": lambda: prompts_from_file(args.prompts),
+    }
+    every = {s: loaded[s]() for s in sets}
+    if categories is not None:
+        known = list(dict.fromkeys(p.category for ps in every.values() for p in ps))
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise ValueError(f"--categories: unknown {', '.join(unknown)}; the chosen sets have {', '.join(known)}")
+    prompts = []
+    for s in sets:
+        kept = [p for p in every[s] if categories is None or p.category in categories]
+        prompts += first_per_category(kept, per_set[s])
+    if not prompts:
+        raise ValueError("no prompts selected (check --set and --categories)")
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"prompt id {next(i for i in ids if ids.count(i) > 1)!r} appears in more than one set")
+    return prompts, per_set
 
 
 if __name__ == "__main__":

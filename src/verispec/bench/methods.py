@@ -1,0 +1,230 @@
+"""The decoding methods a benchmark compares, all behind one ``run(input_ids, max_new_tokens, sampling)``.
+
+Ours run through :class:`SpeculativeDecoder`; the Hugging Face ones through ``model.generate``
+with the same stop tokens and sampling settings. Every method is timed the same way: wall-clock
+around the whole call, prefill included, because that is how long a user waits for the answer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from verispec.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    family: str  # "ours" or "hf"
+    needs_draft: bool  # needs the draft model loaded
+    description: str
+
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in [
+        MethodSpec("plain", "ours", False, "our plain decoding (no drafter): the baseline"),
+        MethodSpec("draft-model", "ours", True, "draft model, gamma drafts a round"),
+        MethodSpec("draft-model-adaptive", "ours", True, "draft model, 0..gamma drafts a round (adaptive_gamma)"),
+        MethodSpec("ngram", "ours", False, "prompt lookup (NgramDrafter), gamma drafts a round"),
+        MethodSpec("ngram-adaptive", "ours", False, "prompt lookup, 0..gamma drafts a round (adaptive_gamma)"),
+        MethodSpec("ngram+draft", "ours", True, "prompt lookup when it matches, the draft model otherwise (CombinedDrafter)"),
+        MethodSpec("hf-plain", "hf", False, "transformers generate(), greedy or sampling"),
+        MethodSpec("hf-assisted", "hf", True, "transformers assisted generation (assistant_model=draft), default settings"),
+        MethodSpec("hf-lookup", "hf", False, "transformers prompt lookup (prompt_lookup_num_tokens=10)"),
+    ]
+}
+DEFAULT_METHODS = tuple(METHODS)  # everything: the full run is the complete comparison
+QUICK_METHODS = ("plain", "draft-model", "ngram")  # --quick: the baseline and our two drafters
+REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-output references, in order of preference
+
+
+def parse_methods(text: str) -> list[str]:
+    """Method names from a comma list, in the given order, duplicates dropped; ValueError naming --methods."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not names:
+        raise ValueError("--methods must name at least one method")
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown method {', '.join(map(repr, unknown))}; known: {', '.join(METHODS)}")
+    return names
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why ``name`` cannot run with this verispec build (a feature not there yet), or None."""
+    from verispec.engine import SpeculativeDecoder
+
+    if name.endswith("-adaptive") and "adaptive_gamma" not in inspect.signature(SpeculativeDecoder.__init__).parameters:
+        return "SpeculativeDecoder has no adaptive_gamma keyword in this build"
+    if name == "ngram+draft":
+        try:
+            from verispec.drafters import CombinedDrafter  # noqa: F401
+        except ImportError:
+            return "verispec.drafters.CombinedDrafter is not available in this build"
+    return None
+
+
+@dataclass
+class RunOutput:
+    """One method on one prompt."""
+
+    token_ids: list[int]  # the new tokens only, the stop token included
+    seconds: float  # wall-clock of the whole call, prefill included
+    target_calls: int  # target forward passes that emitted tokens (our separate prefill pass excluded)
+    draft_calls: int | None  # draft-model forward passes (None: the method has no draft model)
+    # Per verification round (ours only; None for Hugging Face, whose rounds we do not observe):
+    drafted_per_round: list[int] | None = None
+    accepted_per_round: list[int] | None = None
+
+
+class Method(Protocol):
+    name: str
+
+    def run(self, input_ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> RunOutput: ...
+
+
+class OursMethod:
+    """A :class:`SpeculativeDecoder`, built once so adaptive cost estimates carry over between prompts."""
+
+    def __init__(self, name: str, decoder: Any) -> None:
+        self.name = name
+        self.decoder = decoder
+
+    def run(self, input_ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> RunOutput:
+        tokens: list[int] = []
+        step = None
+        started = time.perf_counter()
+        # stream(), not generate(): the same work minus detokenizing, which HF's generate does not do either.
+        for step in self.decoder.stream(input_ids, max_new_tokens, sampling):
+            tokens.extend(step.token_ids)
+        seconds = time.perf_counter() - started
+        assert step is not None
+        stats = step.stats
+        return RunOutput(
+            token_ids=tokens,
+            seconds=seconds,
+            target_calls=stats.target_calls,
+            draft_calls=stats.draft_calls if self.decoder.drafter is not None else None,
+            drafted_per_round=list(stats.drafted_per_round),
+            accepted_per_round=list(stats.accepted_per_round),
+        )
+
+
+class HFMethod:
+    """``target.generate(...)`` with explicit stop/pad ids and sampling settings, forward calls counted by hooks."""
+
+    def __init__(self, name: str, target: Any, draft: Any | None, generate_kwargs: dict[str, Any], eos: list[int], pad: int | None) -> None:
+        self.name = name
+        self.target = target  # a transformers model
+        self.draft = draft  # the assistant model for hf-assisted, else None
+        self.generate_kwargs = generate_kwargs
+        self.eos = eos
+        self.pad = pad
+
+    def run(self, input_ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> RunOutput:
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.target.device)  # [1, prompt]
+        kwargs = dict(self.generate_kwargs)
+        kwargs.update(_hf_sampling_kwargs(sampling))
+        if not sampling.is_greedy and sampling.seed is not None:
+            torch.manual_seed(sampling.seed)  # HF samples from the global generator
+        with _counting_calls(self.target) as target_calls, _counting_calls(self.draft) as draft_calls:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                output = self.target.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    # Our engine stops at exactly these ids by default; pass them so both sides agree.
+                    eos_token_id=self.eos or None,
+                    pad_token_id=self.pad,
+                    **kwargs,
+                )
+            seconds = time.perf_counter() - started
+        return RunOutput(
+            token_ids=output[0, len(input_ids) :].tolist(),
+            seconds=seconds,
+            # HF has no separate prefill pass: its first call reads the prompt and emits the first
+            # token (our prefill + first verification), so every call counts.
+            target_calls=target_calls[0],
+            draft_calls=draft_calls[0] if self.draft is not None else None,
+        )
+
+
+def build_method(name: str, target: Any, draft: Any | None, gamma: int) -> Method:
+    """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none."""
+    spec = METHODS[name]
+    if spec.needs_draft and draft is None:
+        raise ValueError(f"method {name!r} needs a draft model")
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise RuntimeError(f"method {name!r} is unavailable: {reason}")
+    if spec.family == "hf":
+        return _build_hf(name, target, draft)
+    from verispec.drafters import DraftModel, NgramDrafter
+    from verispec.engine import SpeculativeDecoder
+
+    if name == "plain":
+        return OursMethod(name, SpeculativeDecoder(target))
+    adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
+    if name.startswith("draft-model"):
+        drafter = DraftModel(draft, name=draft.name)
+    elif name.startswith("ngram+"):
+        from verispec.drafters import CombinedDrafter
+
+        drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name))
+    else:
+        drafter = NgramDrafter()
+    return OursMethod(name, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))
+
+
+def _build_hf(name: str, target: Any, draft: Any | None) -> HFMethod:
+    model = target.model
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = model.generation_config.pad_token_id
+    if pad is None and target.tokenizer is not None:
+        pad = target.tokenizer.pad_token_id
+    if pad is None and eos:
+        pad = eos[0]  # what HF would pick itself, minus its warning
+    kwargs: dict[str, Any] = {}
+    assistant = None
+    if name == "hf-assisted":
+        assistant = draft.model
+        kwargs["assistant_model"] = assistant
+    elif name == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = 10
+    return HFMethod(name, model, assistant, kwargs, eos, pad)
+
+
+def _hf_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    # repetition_penalty 1.0 explicitly: a model's generation_config may ship one (Qwen's hub
+    # configs do), and ours applies none; anything else would change the output, not just the speed.
+    if sampling.is_greedy:
+        return {"do_sample": False, "repetition_penalty": 1.0}
+    # top_k 0 disables top-k in HF as in ours (HF's own default would be 50).
+    return {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "repetition_penalty": 1.0}
+
+
+@contextmanager
+def _counting_calls(module: torch.nn.Module | None) -> Iterator[list[int]]:
+    """Count ``module``'s forward calls while the block runs (a forward hook; nothing is patched)."""
+    count = [0]
+    if module is None:
+        yield count
+        return
+
+    def hook(*_: Any) -> None:
+        count[0] += 1
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield count
+    finally:
+        handle.remove()

@@ -1,0 +1,169 @@
+"""From per-run rows to per-method numbers: speed-ups, alpha, tau, identical outputs, per category.
+
+Speed-up is a ratio of throughputs (new tokens / second) taken *per prompt* against a baseline
+run on the same prompt, then summarized by median and mean over prompts: ratios of
+side-by-side runs cancel what the prompts do to absolute speed, and throughput (not time)
+keeps outputs of different lengths comparable. alpha, tau and acceptance by position pool
+all rounds of all prompts, so long generations weigh more, as they do in wall-clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from verispec.bench.methods import REFERENCE_METHODS
+from verispec.bench.runner import Row
+
+
+@dataclass
+class SpeedUp:
+    median: float
+    mean: float
+    prompts: int  # prompt turns where both the method and the baseline ran
+
+
+@dataclass
+class Identical:
+    reference: str  # the method whose greedy output the others are compared with
+    count: int
+    compared: int
+    differences: list[dict] = field(default_factory=list)  # {"prompt": label, "first_difference": token index}
+
+
+@dataclass
+class CategorySummary:
+    runs: int
+    tokens_per_second: float
+    speedup: dict[str, SpeedUp]  # baseline method -> speed-up over the category's prompts
+
+
+@dataclass
+class MethodSummary:
+    method: str
+    runs: int
+    new_tokens: int
+    seconds: float
+    tokens_per_second: float  # all new tokens / all seconds
+    speedup: dict[str, SpeedUp]  # baseline method ("plain", "hf-plain") -> speed-up, for baselines in the run
+    acceptance_rate: float | None  # alpha; None: nothing drafted, or not observable (Hugging Face)
+    tokens_per_call: float | None  # tau: new tokens / target calls that emitted them
+    acceptance_by_position: list[float] | None
+    identical: Identical | None  # None: sampling, no reference in the run, or this is the reference
+    peak_rss: int | None  # bytes, the whole process (models included)
+    by_category: dict[str, CategorySummary]
+
+
+def speedup(rows: Sequence[Row], method: str, baseline: str) -> SpeedUp | None:
+    """Per-prompt ratio of tokens/s (method over baseline), then median and mean; None without pairs."""
+    base = {row.key: row.tokens_per_second for row in rows if row.method == baseline}
+    ratios = [row.tokens_per_second / base[row.key] for row in rows if row.method == method and base.get(row.key, 0) > 0]
+    if not ratios:
+        return None
+    return SpeedUp(median=statistics.median(ratios), mean=statistics.fmean(ratios), prompts=len(ratios))
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix of the other); None if equal."""
+    for position, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return position
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def acceptance_by_position(drafted: Sequence[int], accepted: Sequence[int]) -> list[float]:
+    """Share of rounds that accepted draft position i, among rounds that proposed position i (as GenerationStats)."""
+    rates = []
+    for position in range(max(drafted, default=0)):
+        proposed = sum(1 for n in drafted if n > position)
+        rates.append(sum(1 for n in accepted if n > position) / proposed)
+    return rates
+
+
+def reference_method(methods: Sequence[str]) -> str | None:
+    """The identical-output reference: our plain decoding, else Hugging Face's."""
+    return next((name for name in REFERENCE_METHODS if name in methods), None)
+
+
+def summarize(rows: Sequence[Row], methods: Sequence[str], greedy: bool, peak_rss: dict[str, int] | None = None) -> list[MethodSummary]:
+    """One summary per method in ``methods`` order (methods without rows are left out)."""
+    peak_rss = peak_rss or {}
+    present = [m for m in methods if any(row.method == m for row in rows)]
+    baselines = [b for b in REFERENCE_METHODS if b in present]
+    reference = reference_method(present) if greedy else None
+    summaries = []
+    for method in present:
+        own = [row for row in rows if row.method == method]
+        summaries.append(
+            MethodSummary(
+                method=method,
+                runs=len(own),
+                new_tokens=sum(row.new_tokens for row in own),
+                seconds=sum(row.seconds for row in own),
+                tokens_per_second=_throughput(own),
+                speedup=_speedups(rows, method, baselines),
+                acceptance_rate=_acceptance_rate(own),
+                tokens_per_call=_tokens_per_call(own),
+                acceptance_by_position=_pooled_acceptance_by_position(own),
+                identical=_identical(rows, method, reference) if reference not in (None, method) else None,
+                peak_rss=peak_rss.get(method),
+                by_category=_by_category(rows, method, baselines),
+            )
+        )
+    return summaries
+
+
+def _speedups(rows: Sequence[Row], method: str, baselines: Sequence[str]) -> dict[str, SpeedUp]:
+    found = {baseline: speedup(rows, method, baseline) for baseline in baselines}
+    return {baseline: value for baseline, value in found.items() if value is not None}
+
+
+def _throughput(rows: Sequence[Row]) -> float:
+    seconds = sum(row.seconds for row in rows)
+    return sum(row.new_tokens for row in rows) / seconds if seconds > 0 else 0.0
+
+
+def _acceptance_rate(rows: Sequence[Row]) -> float | None:
+    if any(row.drafted_per_round is None for row in rows):
+        return None
+    drafted = sum(sum(row.drafted_per_round) for row in rows)
+    return sum(sum(row.accepted_per_round) for row in rows) / drafted if drafted else None
+
+
+def _tokens_per_call(rows: Sequence[Row]) -> float | None:
+    calls = sum(row.target_calls for row in rows)
+    return sum(row.new_tokens for row in rows) / calls if calls else None
+
+
+def _pooled_acceptance_by_position(rows: Sequence[Row]) -> list[float] | None:
+    if any(row.drafted_per_round is None for row in rows):
+        return None
+    drafted = [n for row in rows for n in row.drafted_per_round]
+    accepted = [n for row in rows for n in row.accepted_per_round]
+    return acceptance_by_position(drafted, accepted) or None
+
+
+def _identical(rows: Sequence[Row], method: str, reference: str) -> Identical | None:
+    expected = {row.key: row.token_ids for row in rows if row.method == reference}
+    result = Identical(reference=reference, count=0, compared=0)
+    for row in rows:
+        if row.method != method or row.key not in expected:
+            continue
+        result.compared += 1
+        position = first_difference(row.token_ids, expected[row.key])
+        if position is None:
+            result.count += 1
+        else:
+            result.differences.append({"prompt": row.label, "first_difference": position})
+    return result if result.compared else None
+
+
+def _by_category(rows: Sequence[Row], method: str, baselines: Sequence[str]) -> dict[str, CategorySummary]:
+    categories = list(dict.fromkeys(row.category for row in rows if row.method == method))
+    result = {}
+    for category in categories:
+        in_category = [row for row in rows if row.category == category]
+        own = [row for row in in_category if row.method == method]
+        result[category] = CategorySummary(runs=len(own), tokens_per_second=_throughput(own), speedup=_speedups(in_category, method, baselines))
+    return result

@@ -1,0 +1,399 @@
+"""`verispec bench`: prompt sets, the interleaved runner, the summary math, reports, and the CLI on a tiny GGUF."""
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from tiny_models import write_tiny_qwen2_gguf
+from verispec.bench import methods as bench_methods
+from verispec.bench.methods import RunOutput
+from verispec.bench.prompts import Prompt, first_per_category, prompts_from_file, spec_bench_prompts
+from verispec.bench.runner import WARMUP_TOKENS, BenchSettings, Row, run_bench
+from verispec.bench.summary import first_difference, speedup, summarize
+from verispec.cli import main
+from verispec.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    write_tiny_qwen2_gguf(path)
+    return str(path)
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        {"id": "rep", "category": "code", "prompt": "the hello the hello the hello"},
+        {"id": "chat", "category": "chat", "turns": ["hello the", "the the hello"]},
+        {"prompt": "hello hello the"},  # no id, no category
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def spec_bench_file(path: Path, categories: dict[str, int]) -> Path:
+    """A Spec-Bench-format file: ``categories`` maps a category to its number of questions (the first has 2 turns)."""
+    lines, question = [], 0
+    for category, count in categories.items():
+        for i in range(count):
+            question += 1
+            turns = [f"hello the {category} {i}"] + (["the hello again"] if i == 0 else [])
+            lines.append(json.dumps({"question_id": question, "category": category, "turns": turns}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def bench(tiny_gguf, out, *extra):
+    return main(["bench", "--target", tiny_gguf, "--draft", tiny_gguf, "--max-new-tokens", "8", "--out", str(out), *extra])
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+
+def test_bench_end_to_end_writes_results_report_and_plots(tiny_gguf, prompts_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    methods = ["plain", "draft-model", "ngram", "hf-plain"]
+    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", ",".join(methods)) == 0
+    stdout = capsys.readouterr().out
+    assert "vs plain median (mean)" in stdout and "vs hf-plain median (mean)" in stdout
+
+    results = json.loads((out / "results.json").read_text())
+    for key in ["partial", "command", "settings", "machine", "prompts", "memory", "summaries", "rows", "skipped_methods"]:
+        assert key in results
+    assert results["partial"] is False and results["command"].startswith("verispec bench --target")
+    assert results["settings"]["methods"] == methods and results["settings"]["max_new_tokens"] == 8
+    for key in ["cpu", "logical_cpus", "torch_threads", "torch", "transformers"]:
+        assert key in results["machine"]
+    assert [p["id"] for p in results["prompts"]] == ["rep", "chat", "line-3"]
+    assert len(results["rows"]) == 3 * len(methods)  # first turns only without --multi-turn
+
+    by_method = {s["method"]: s for s in results["summaries"]}
+    assert list(by_method) == methods
+    for summary in by_method.values():
+        assert set(summary["speedup"]) == {"plain", "hf-plain"} and summary["speedup"]["plain"]["prompts"] == 3
+        assert set(summary["by_category"]) == {"code", "chat", "user"}
+        assert summary["peak_rss"] > 0
+    assert by_method["plain"]["speedup"]["plain"]["median"] == pytest.approx(1.0)
+    # The draft is the target itself: every draft is accepted, gamma+1 tokens per call until the budget ends.
+    assert by_method["draft-model"]["acceptance_rate"] == pytest.approx(1.0)
+    assert by_method["draft-model"]["acceptance_by_position"] == [1.0] * 4
+    assert by_method["plain"]["acceptance_rate"] is None and by_method["hf-plain"]["acceptance_rate"] is None
+    # Greedy: everything is token-identical to our plain decoding, Hugging Face included.
+    assert by_method["plain"]["identical"] is None
+    for method in ["draft-model", "ngram", "hf-plain"]:
+        assert by_method[method]["identical"] == {"reference": "plain", "count": 3, "compared": 3, "differences": []}
+    # Plain decoding, ours and HF's: one target call per new token (HF's first call is its prefill and emits a token).
+    for row in results["rows"]:
+        if row["method"] in ("plain", "hf-plain"):
+            assert row["target_calls"] == row["new_tokens"] == 8
+    assert by_method["hf-plain"]["tokens_per_call"] == pytest.approx(1.0)
+
+    report = (out / "report.md").read_text()
+    assert "| method |" in report and "## Speed-up by category" in report and results["command"] in report
+    assert "includes the loaded target and draft models" in report
+    for name in ["speedup_by_category.png", "acceptance_by_position.png"]:
+        assert_valid_png(out / name)
+
+
+def assert_valid_png(path: Path) -> None:
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    height, width = imread(str(path)).shape[:2]
+    assert height > 100 and width > 100
+
+
+def test_multi_turn_and_hf_methods_run(tiny_gguf, tmp_path):
+    out = tmp_path / "out"
+    spec = spec_bench_file(tmp_path / "dev.jsonl", {"writing": 2, "rag": 1})
+    args = ["--set", "spec-bench", "--spec-bench", str(spec), "--multi-turn", "--methods", "ngram,hf-assisted,hf-lookup"]
+    assert bench(tiny_gguf, out, *args) == 0
+    results = json.loads((out / "results.json").read_text())
+    # The first question of each category has two turns; "plain" is not among the methods, so an
+    # untimed plain run answers turn 1.
+    keys = sorted({(r["prompt_id"], r["turn"]) for r in results["rows"]})
+    assert keys == [("spec-bench/1", 1), ("spec-bench/1", 2), ("spec-bench/2", 1), ("spec-bench/3", 1), ("spec-bench/3", 2)]
+    turn2 = [r for r in results["rows"] if r["turn"] == 2]
+    turn1 = [r for r in results["rows"] if r["prompt_id"] == "spec-bench/1" and r["turn"] == 1]
+    assert turn2[0]["prompt_tokens"] > turn1[0]["prompt_tokens"] + 8  # the answer and the second user turn
+    by_method = {s["method"]: s for s in results["summaries"]}
+    assert by_method["hf-assisted"]["acceptance_rate"] is None and by_method["hf-assisted"]["tokens_per_call"] >= 1
+    assert all(r["draft_calls"] > 0 for r in results["rows"] if r["method"] == "hf-assisted")
+    # Neither plain nor hf-plain ran: no speed-up baseline, no identical-output reference.
+    assert by_method["ngram"]["speedup"] == {} and by_method["ngram"]["identical"] is None
+    assert_valid_png(out / "speedup_by_category.png")
+
+
+def test_sampling_runs_and_skips_identical_accounting(tiny_gguf, prompts_file, tmp_path):
+    out = tmp_path / "out"
+    args = ["--prompts", str(prompts_file), "--methods", "plain,hf-plain", "--temperature", "0.8", "--top-k", "20", "--seed", "3"]
+    assert bench(tiny_gguf, out, *args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["identical_reference"] is None
+    assert all(s["identical"] is None for s in results["summaries"])
+
+
+def test_quick_preset(tiny_gguf, tmp_path):
+    out = tmp_path / "out"
+    spec = spec_bench_file(tmp_path / "dev.jsonl", {"coding": 3, "qa": 2})
+    assert main(["bench", "--quick", "--target", tiny_gguf, "--draft", tiny_gguf, "--spec-bench", str(spec), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    settings = results["settings"]
+    assert settings["methods"] == ["plain", "draft-model", "ngram"] and settings["max_new_tokens"] == 32
+    assert settings["num_prompts_per_category"] == {"humaneval": 2, "spec-bench": 1}
+    assert [p["id"] for p in results["prompts"]] == ["HumanEval/0", "HumanEval/1", "spec-bench/1", "spec-bench/4"]
+
+
+def test_unavailable_method_is_skipped_with_a_message(tiny_gguf, prompts_file, tmp_path, capsys, monkeypatch):
+    real = bench_methods.unavailable_reason
+    monkeypatch.setattr(bench_methods, "unavailable_reason", lambda name: "not built yet" if name == "ngram-adaptive" else real(name))
+    out = tmp_path / "out"
+    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", "plain,ngram-adaptive") == 0
+    assert "skipping ngram-adaptive: not built yet" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["skipped_methods"] == {"ngram-adaptive": "not built yet"}
+    assert {r["method"] for r in results["rows"]} == {"plain"}
+
+
+def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, monkeypatch):
+    real_run = bench_methods.OursMethod.run
+    calls = []
+
+    def interrupted_run(self, *args):
+        calls.append(self.name)
+        if len(calls) == 2 + 3:  # 2 warm-up runs, then the 3rd timed run
+            raise KeyboardInterrupt
+        return real_run(self, *args)
+
+    monkeypatch.setattr(bench_methods.OursMethod, "run", interrupted_run)
+    out = tmp_path / "out"
+    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", "plain,ngram") == 130
+    results = json.loads((out / "results.json").read_text())
+    assert results["partial"] is True and "Ctrl-C" in results["stopped_by"]
+    assert [(r["prompt_id"], r["method"]) for r in results["rows"]] == [("rep", "plain"), ("rep", "ngram")]
+    assert "Partial results" in (out / "report.md").read_text()
+    assert_valid_png(out / "speedup_by_category.png")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--methods", "plain,warp-drive"], "unknown method 'warp-drive'"),
+        (["--set", "spec-bench", "--spec-bench", "/nonexistent/dev.jsonl"], "Spec-Bench file '/nonexistent/dev.jsonl' not found"),
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--set", "humaneval,nonsense"], "--set: unknown 'nonsense'"),
+        (["--set", "file"], "--set file needs --prompts"),
+        (["--categories", "humaneval,poetry"], "--categories: unknown poetry"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--gamma", "0"], "--gamma"),
+        (["--top-p", "2"], "top_p"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(tiny_gguf, tmp_path, capsys, extra, message):
+    assert main(["bench", "--target", tiny_gguf, "--set", "humaneval", "--out", str(tmp_path / "out"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "verispec bench: error:" in err and message in err and "Traceback" not in err
+
+
+def test_malformed_prompts_line_names_the_line(tiny_gguf, tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n{"prompt": "broken"\n')
+    assert main(["bench", "--target", tiny_gguf, "--prompts", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "line 3: not valid JSON" in err and "Traceback" not in err
+
+
+# --- prompt sets -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('["a list"]', "line 2: expected a JSON object"),
+        ('{"id": "x"}', "line 2: expected exactly one of 'prompt'"),
+        ('{"prompt": "a", "turns": ["b"]}', "line 2: expected exactly one of 'prompt'"),
+        ('{"prompt": 5}', "line 2: 'prompt' must hold non-empty strings"),
+        ('{"turns": []}', "line 2: 'turns' must be a non-empty list"),
+        ('{"turns": "not a list"}', "line 2: 'turns' must be a non-empty list"),
+        ('{"prompt": "x", "category": ""}', "line 2: 'category' must be a non-empty string"),
+        ('{"id": "a", "prompt": "again"}', "prompt id 'a' appears more than once"),
+    ],
+)
+def test_prompts_file_errors(tmp_path, line, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        prompts_from_file(path)
+
+
+def test_prompts_file_defaults_and_turns(prompts_file):
+    prompts = prompts_from_file(prompts_file)
+    assert prompts[0] == Prompt("rep", "code", "the hello the hello the hello")
+    assert prompts[1].turns == ("hello the", "the the hello") and prompts[1].follow_ups == ("the the hello",)
+    assert (prompts[2].id, prompts[2].category) == ("line-3", "user")
+
+
+def test_spec_bench_loading_and_selection(tmp_path):
+    path = spec_bench_file(tmp_path / "dev.jsonl", {"writing": 3, "qa": 2, "rag": 1})
+    prompts = spec_bench_prompts(path)
+    assert [p.category for p in prompts] == ["writing"] * 3 + ["qa"] * 2 + ["rag"]
+    assert prompts[0].id == "spec-bench/1" and prompts[0].follow_ups == ("the hello again",)
+    assert [p.id for p in first_per_category(prompts, 1)] == ["spec-bench/1", "spec-bench/4", "spec-bench/6"]
+    assert first_per_category(prompts, None) == prompts
+    (tmp_path / "bad.jsonl").write_text('{"question_id": 1, "turns": ["x"]}\n')
+    with pytest.raises(ValueError, match="line 1: missing 'category'"):
+        spec_bench_prompts(tmp_path / "bad.jsonl")
+
+
+def test_spec_bench_dev_split_if_present():
+    path = REPO / "../shared/data/spec_bench/dev.jsonl"
+    if not path.is_file():
+        pytest.skip("the Spec-Bench dev split is not next to the repository")
+    prompts = spec_bench_prompts(path)
+    counts = {c: sum(p.category == c for p in prompts) for c in dict.fromkeys(p.category for p in prompts)}
+    mt_bench = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    assert counts == {**{c: 10 for c in mt_bench}, **{c: 40 for c in ["translation", "summarization", "qa", "math_reasoning", "rag"]}}
+    assert all(len(p.turns) == 2 for p in prompts if p.category in mt_bench)
+
+
+# --- runner ------------------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one id per character, a visible chat template."""
+
+    chat_template = "roles"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+class RecordingMethod:
+    """Answers with a fixed text and records (method, prompt text, max_new_tokens) for each call."""
+
+    def __init__(self, name, log, answer="ok"):
+        self.name, self.log, self.answer = name, log, answer
+
+    def run(self, input_ids, max_new_tokens, sampling):
+        self.log.append((self.name, "".join(map(chr, input_ids)), max_new_tokens))
+        return RunOutput(token_ids=[ord(c) for c in self.answer], seconds=0.01, target_calls=len(self.answer), draft_calls=None)
+
+
+def test_runner_interleaves_methods_prompt_by_prompt():
+    log = []
+    methods = {name: RecordingMethod(name, log) for name in ["a", "b", "c"]}
+    prompts = [Prompt("p1", "x", "one"), Prompt("p2", "x", "two")]
+    run = run_bench(prompts, methods, BenchSettings(max_new_tokens=16, sampling=SamplingParams()), CharTokenizer())
+    assert run.complete
+    warmup = [("a", "<user>one<assistant>", WARMUP_TOKENS), ("b", "<user>one<assistant>", WARMUP_TOKENS), ("c", "<user>one<assistant>", WARMUP_TOKENS)]
+    timed = [(m, f"<user>{p}<assistant>", 16) for p in ["one", "two"] for m in ["a", "b", "c"]]
+    assert log == warmup + timed
+    assert [(r.prompt_id, r.method) for r in run.rows] == [(p, m) for p in ["p1", "p2"] for m in ["a", "b", "c"]]
+    assert set(run.peak_rss) == {"a", "b", "c"}
+
+
+def test_runner_multi_turn_puts_plains_answer_in_the_conversation():
+    log = []
+    methods = {"plain": RecordingMethod("plain", log, answer="PLAIN"), "fast": RecordingMethod("fast", log, answer="FAST")}
+    prompts = [Prompt("p", "x", "first", follow_ups=("second",)), Prompt("q", "x", "only")]
+    settings = BenchSettings(max_new_tokens=4, sampling=SamplingParams(), multi_turn=True, warmup=False)
+    run = run_bench(prompts, methods, settings, CharTokenizer())
+    turn2 = "<user>first<assistant>PLAIN<user>second<assistant>"
+    assert [entry[:2] for entry in log] == [
+        ("plain", "<user>first<assistant>"), ("fast", "<user>first<assistant>"),
+        ("plain", turn2), ("fast", turn2),
+        ("plain", "<user>only<assistant>"), ("fast", "<user>only<assistant>"),
+    ]  # fmt: skip
+    assert [(r.label, r.method) for r in run.rows][2:4] == [("p (turn 2)", "plain"), ("p (turn 2)", "fast")]
+
+
+def test_runner_keeps_rows_when_a_method_fails():
+    log = []
+
+    class Failing(RecordingMethod):
+        def run(self, input_ids, max_new_tokens, sampling):
+            if len(log) >= 3:
+                raise RuntimeError("out of cheese")
+            return super().run(input_ids, max_new_tokens, sampling)
+
+    methods = {"a": Failing("a", log), "b": Failing("b", log)}
+    prompts = [Prompt("p1", "x", "one"), Prompt("p2", "x", "two")]
+    run = run_bench(prompts, methods, BenchSettings(max_new_tokens=4, sampling=SamplingParams(), warmup=False), CharTokenizer())
+    assert not run.complete and "out of cheese" in run.stopped_by and isinstance(run.error, RuntimeError)
+    assert [(r.prompt_id, r.method) for r in run.rows] == [("p1", "a"), ("p1", "b"), ("p2", "a")]
+
+
+# --- summary math ------------------------------------------------------------------------------
+
+
+def row(prompt, method, new_tokens, seconds, category="x", tokens=None, drafted=None, accepted=None, calls=None):
+    return Row(
+        prompt_id=prompt, category=category, turn=1, method=method, prompt_tokens=10, new_tokens=new_tokens,
+        seconds=seconds, target_calls=calls if calls is not None else new_tokens, draft_calls=None,
+        drafted_per_round=drafted, accepted_per_round=accepted, token_ids=tokens if tokens is not None else [1] * new_tokens,
+    )  # fmt: skip
+
+
+def test_speedup_is_the_per_prompt_throughput_ratio_then_median_and_mean():
+    rows = [
+        # plain: 10, 20, 40 tok/s; spec: 20, 20, 100 tok/s -> ratios 2, 1, 2.5 (lengths differ: throughput, not time)
+        row("p1", "plain", 10, 1.0, "a"), row("p1", "spec", 20, 1.0, "a"),
+        row("p2", "plain", 20, 1.0, "a"), row("p2", "spec", 10, 0.5, "a"),
+        row("p3", "plain", 40, 1.0, "b"), row("p3", "spec", 50, 0.5, "b"),
+        # hf-plain: 20, 20, 20 tok/s -> spec ratios 1, 1, 5
+        row("p1", "hf-plain", 20, 1.0, "a"), row("p2", "hf-plain", 20, 1.0, "a"), row("p3", "hf-plain", 20, 1.0, "b"),
+        row("p4", "spec", 10, 1.0, "b"),  # no baseline on p4: left out of ratios
+    ]  # fmt: skip
+    value = speedup(rows, "spec", "plain")
+    assert (value.median, value.mean, value.prompts) == (pytest.approx(2.0), pytest.approx(5.5 / 3), 3)
+    summaries = {s.method: s for s in summarize(rows, ["plain", "spec", "hf-plain"], greedy=True)}
+    spec = summaries["spec"]
+    assert spec.speedup["plain"].median == pytest.approx(2.0) and spec.speedup["plain"].mean == pytest.approx(5.5 / 3)
+    assert spec.speedup["hf-plain"].median == pytest.approx(1.0) and spec.speedup["hf-plain"].mean == pytest.approx(7 / 3)
+    assert spec.tokens_per_second == pytest.approx(90 / 3.0)  # pooled: all tokens / all seconds
+    assert spec.by_category["a"].speedup["plain"].median == pytest.approx(statistics.median([2, 1]))
+    assert spec.by_category["b"].speedup["plain"].median == pytest.approx(2.5) and spec.by_category["b"].runs == 2
+    assert summaries["plain"].speedup["hf-plain"].median == pytest.approx(1.0)
+    assert speedup(rows, "spec", "missing") is None
+
+
+def test_alpha_tau_and_acceptance_by_position_pool_all_rounds():
+    rows = [
+        row("p1", "spec", 7, 1.0, drafted=[4, 4], accepted=[4, 1], calls=2),
+        row("p2", "spec", 3, 1.0, drafted=[2, 0], accepted=[1, 0], calls=2),
+        row("p1", "hf", 7, 1.0, calls=3),  # Hugging Face: rounds not observed
+    ]
+    spec, hf = summarize(rows, ["spec", "hf"], greedy=True)
+    assert spec.acceptance_rate == pytest.approx(6 / 10) and spec.tokens_per_call == pytest.approx(10 / 4)
+    # Rounds drafted [4, 4, 2, 0], accepted [4, 1, 1, 0]. Position 1: proposed in 3 rounds, accepted in 3;
+    # position 2: proposed 3, accepted 1; positions 3 and 4: proposed 2, accepted 1.
+    assert spec.acceptance_by_position == pytest.approx([1.0, 1 / 3, 0.5, 0.5])
+    assert hf.acceptance_rate is None and hf.acceptance_by_position is None and hf.tokens_per_call == pytest.approx(7 / 3)
+
+
+def test_identical_output_accounting():
+    rows = [
+        row("p1", "plain", 3, 1.0, tokens=[1, 2, 3]), row("p1", "spec", 3, 1.0, tokens=[1, 2, 3]),
+        row("p2", "plain", 3, 1.0, tokens=[1, 2, 3]), row("p2", "spec", 3, 1.0, tokens=[1, 9, 3]),
+        row("p3", "plain", 3, 1.0, tokens=[1, 2, 3]), row("p3", "spec", 2, 1.0, tokens=[1, 2]),
+    ]  # fmt: skip
+    summaries = {s.method: s for s in summarize(rows, ["plain", "spec"], greedy=True)}
+    identical = summaries["spec"].identical
+    assert (identical.reference, identical.count, identical.compared) == ("plain", 1, 3)
+    assert identical.differences == [{"prompt": "p2", "first_difference": 1}, {"prompt": "p3", "first_difference": 2}]
+    assert summaries["plain"].identical is None  # the reference itself
+    assert all(s.identical is None for s in summarize(rows, ["plain", "spec"], greedy=False))
+    assert first_difference([1, 2], [1, 2]) is None and first_difference([], [5]) == 0
