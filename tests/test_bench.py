@@ -65,7 +65,7 @@ def test_bench_end_to_end_writes_results_report_and_plots(tiny_gguf, prompts_fil
     assert "vs plain median (mean)" in stdout and "vs hf-plain median (mean)" in stdout
 
     results = json.loads((out / "results.json").read_text())
-    for key in ["partial", "command", "settings", "machine", "prompts", "memory", "summaries", "rows", "skipped_methods"]:
+    for key in ["partial", "command", "settings", "machine", "prompts", "memory", "summaries", "rows"]:
         assert key in results
     assert results["partial"] is False and results["command"].startswith("verispec bench --target")
     assert results["settings"]["methods"] == methods and results["settings"]["max_new_tokens"] == 8
@@ -149,17 +149,6 @@ def test_quick_preset(tiny_gguf, tmp_path):
     assert settings["methods"] == ["plain", "draft-model", "ngram"] and settings["max_new_tokens"] == 32
     assert settings["num_prompts_per_category"] == {"humaneval": 2, "spec-bench": 1}
     assert [p["id"] for p in results["prompts"]] == ["HumanEval/0", "HumanEval/1", "spec-bench/1", "spec-bench/4"]
-
-
-def test_unavailable_method_is_skipped_with_a_message(tiny_gguf, prompts_file, tmp_path, capsys, monkeypatch):
-    real = bench_methods.unavailable_reason
-    monkeypatch.setattr(bench_methods, "unavailable_reason", lambda name: "not built yet" if name == "ngram-adaptive" else real(name))
-    out = tmp_path / "out"
-    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", "plain,ngram-adaptive") == 0
-    assert "skipping ngram-adaptive: not built yet" in capsys.readouterr().err
-    results = json.loads((out / "results.json").read_text())
-    assert results["skipped_methods"] == {"ngram-adaptive": "not built yet"}
-    assert {r["method"] for r in results["rows"]} == {"plain"}
 
 
 def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, monkeypatch):

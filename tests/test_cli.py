@@ -49,6 +49,7 @@ def test_compare_writes_json(tiny_gguf, tmp_path, capsys):
         (["--max-new-tokens", "0"], "--max-new-tokens"),
         (["--top-p", "1.5"], "top_p"),
         (["--temperature", "-1"], "temperature"),
+        (["--draft-confidence", "1.5"], "--draft-confidence"),
         (["--draft", "/nonexistent/model.gguf"], "does not exist"),
     ],
 )

@@ -183,14 +183,20 @@ def _exact_first_two(model, prompt, sampling):
         (SamplingParams(temperature=0.8, top_k=3), "draft-model"),
         (SamplingParams(temperature=1.2, top_p=0.75), "draft-model"),
         (SamplingParams(temperature=1.0), "ngram"),
+        (SamplingParams(temperature=1.0), "draft-model-confident"),
     ],
-    ids=["temperature", "top_k", "top_p", "ngram-deterministic"],
+    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop"],
 )
 def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind):
     target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
     prompt = [1, 3, 2, 1, 3, 2, 1]  # repeats, so prompt lookup always has a draft to offer
     expected = _exact_first_two(target, prompt, sampling)
-    drafter = DraftModel(noisy_copy(target, noise=0.5, seed=9)) if drafter_kind == "draft-model" else NgramDrafter()
+    draft = noisy_copy(target, noise=0.5, seed=9)
+    drafter = {
+        "draft-model": lambda: DraftModel(draft),
+        "draft-model-confident": lambda: DraftModel(draft, confidence_threshold=0.5),  # draft length varies
+        "ngram": NgramDrafter,
+    }[drafter_kind]()
     decoder = SpeculativeDecoder(target, drafter, gamma=2)
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
     accepted = 0
@@ -317,3 +323,20 @@ def test_int8_quantized_draft_keeps_output_exact(target):
     result = SpeculativeDecoder(target, DraftModel(quantized), gamma=4).generate([6, 1, 7], 40, stop=[])
     assert result.token_ids == SpeculativeDecoder(target).generate([6, 1, 7], 40, stop=[]).token_ids
     assert result.stats.acceptance_rate > 0.3
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=4)], ids=["greedy", "sampled"])
+def test_confidence_threshold_shortens_drafts_and_stays_exact(target, sampling):
+    draft = noisy_copy(target, noise=0.2)
+    eager = SpeculativeDecoder(target, DraftModel(draft), gamma=8).generate([2, 9, 4], 50, sampling, stop=[])
+    careful = SpeculativeDecoder(target, DraftModel(draft, confidence_threshold=0.9), gamma=8).generate([2, 9, 4], 50, sampling, stop=[])
+    assert careful.stats.num_drafted < eager.stats.num_drafted
+    assert careful.stats.acceptance_rate > eager.stats.acceptance_rate
+    assert any(0 < d < 8 for d in careful.stats.drafted_per_round)
+    if sampling.is_greedy:
+        assert careful.token_ids == eager.token_ids
+
+
+def test_confidence_threshold_is_validated(target):
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        DraftModel(target, confidence_threshold=1.5)

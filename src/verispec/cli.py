@@ -29,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
 def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
     sub.add_argument("--target-kernels", choices=["packed", "dense"], default="packed", help="packed (default): oneDNN-packed weights for verification passes of 4+ tokens, which cost ~2x a plain step with the dense kernels on CPU (uses a second copy of the target's weights); dense: PyTorch's default only")
+    sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model, ~2.5x cheaper draft steps; the output stays exact whatever the draft computes")
+
+
+def _check_kernel_options(args: argparse.Namespace) -> None:
+    """Validate before minutes of model loading."""
+    if args.draft_confidence is not None and not 0.0 <= args.draft_confidence < 1.0:
+        raise ValueError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
 
 
 def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: ANN001 - LoadedModels
@@ -147,6 +154,7 @@ def _load(args: argparse.Namespace):
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     sampling = _sampling(args)  # validate before minutes of loading
+    _check_kernel_options(args)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.gamma < 1:
@@ -157,7 +165,7 @@ def _load(args: argparse.Namespace):
     if args.drafter == "draft-model" and args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)
     _prepare_models(args, target, draft)
-    drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft) if draft is not None else None
+    drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence) if draft is not None else None
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     plain = SpeculativeDecoder(target)
     speculative = SpeculativeDecoder(target, drafter, gamma=args.gamma) if drafter is not None else plain
@@ -265,7 +273,7 @@ def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from verispec.bench import report
-    from verispec.bench.methods import METHODS, build_method, parse_methods, unavailable_reason
+    from verispec.bench.methods import METHODS, build_method, parse_methods
     from verispec.bench.plots import write_plots
     from verispec.bench.runner import BenchRun, BenchSettings, count_runs, run_bench
     from verispec.bench.summary import reference_method, summarize
@@ -282,13 +290,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     sampling = _sampling(args)
+    _check_kernel_options(args)
     prompts, per_set = _bench_prompts(args, preset)
-    skipped = {name: reason for name in names if (reason := unavailable_reason(name)) is not None}
-    for name, reason in skipped.items():
-        print(f"verispec bench: skipping {name}: {reason}", file=sys.stderr)
-    names = [name for name in names if name not in skipped]
-    if not names:
-        raise ValueError("no method left to run (all requested methods are unavailable in this build)")
     needs_draft = any(METHODS[name].needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
         raise ValueError(f"--draft none, but {', '.join(n for n in names if METHODS[n].needs_draft)} need(s) a draft model")
@@ -307,7 +310,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("the target has no tokenizer; benchmark prompts are text")
     if args.multi_turn and not target.tokenizer.chat_template and any(p.follow_ups for p in prompts):
         raise ValueError("--multi-turn needs a target with a chat template (to place earlier answers in the conversation)")
-    methods = {name: build_method(name, target, draft, args.gamma) for name in names}
+    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence) for name in names}
     answer_method = build_method("plain", target, None, args.gamma) if args.multi_turn and "plain" not in methods else None
     settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup)
 
@@ -339,7 +342,7 @@ def _bench(args: argparse.Namespace) -> int:
     def payload(run, summaries):  # noqa: ANN001, ANN202
         return report.results_payload(
             run, summaries, settings=recorded, machine=machine, command=command, started=started_at,
-            elapsed_s=time.perf_counter() - clock, skipped=skipped, prompts=prompt_list,
+            elapsed_s=time.perf_counter() - clock, prompts=prompt_list,
             reference=reference_method(names) if sampling.is_greedy else None,
         )  # fmt: skip
 

@@ -7,7 +7,6 @@ around the whole call, prefill included, because that is how long a user waits f
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,20 +54,6 @@ def parse_methods(text: str) -> list[str]:
     if unknown:
         raise ValueError(f"--methods: unknown method {', '.join(map(repr, unknown))}; known: {', '.join(METHODS)}")
     return names
-
-
-def unavailable_reason(name: str) -> str | None:
-    """Why ``name`` cannot run with this verispec build (a feature not there yet), or None."""
-    from verispec.engine import SpeculativeDecoder
-
-    if name.endswith("-adaptive") and "adaptive_gamma" not in inspect.signature(SpeculativeDecoder.__init__).parameters:
-        return "SpeculativeDecoder has no adaptive_gamma keyword in this build"
-    if name == "ngram+draft":
-        try:
-            from verispec.drafters import CombinedDrafter  # noqa: F401
-        except ImportError:
-            return "verispec.drafters.CombinedDrafter is not available in this build"
-    return None
 
 
 @dataclass
@@ -157,28 +142,26 @@ class HFMethod:
         )
 
 
-def build_method(name: str, target: Any, draft: Any | None, gamma: int) -> Method:
-    """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none."""
+def build_method(name: str, target: Any, draft: Any | None, gamma: int, draft_confidence: float | None = None) -> Method:
+    """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
+
+    ``draft_confidence``: our draft-model methods stop a round's drafting below this probability.
+    """
     spec = METHODS[name]
     if spec.needs_draft and draft is None:
         raise ValueError(f"method {name!r} needs a draft model")
-    reason = unavailable_reason(name)
-    if reason is not None:
-        raise RuntimeError(f"method {name!r} is unavailable: {reason}")
     if spec.family == "hf":
         return _build_hf(name, target, draft)
-    from verispec.drafters import DraftModel, NgramDrafter
+    from verispec.drafters import CombinedDrafter, DraftModel, NgramDrafter
     from verispec.engine import SpeculativeDecoder
 
     if name == "plain":
         return OursMethod(name, SpeculativeDecoder(target))
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
     if name.startswith("draft-model"):
-        drafter = DraftModel(draft, name=draft.name)
+        drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence)
     elif name.startswith("ngram+"):
-        from verispec.drafters import CombinedDrafter
-
-        drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name))
+        drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence))
     else:
         drafter = NgramDrafter()
     return OursMethod(name, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))

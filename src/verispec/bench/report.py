@@ -56,7 +56,6 @@ def results_payload(
     command: str,
     started: str,
     elapsed_s: float,
-    skipped: dict[str, str],
     prompts: list[dict[str, Any]],
     reference: str | None,
 ) -> dict[str, Any]:
@@ -68,7 +67,6 @@ def results_payload(
         "elapsed_s": elapsed_s,
         "settings": settings,
         "machine": machine,
-        "skipped_methods": skipped,
         "identical_reference": reference,
         "prompts": prompts,
         "memory": {"rss_before_bytes": run.rss_before, "peak_rss_bytes": run.peak_rss, "note": RSS_NOTE},
@@ -178,8 +176,6 @@ def markdown_report(payload: dict[str, Any], summaries: Sequence[MethodSummary],
         out.append("")
     if plots:
         out += ["## Plots", ""] + [f"![{name}]({name})" for name in plots] + [""]
-    if payload["skipped_methods"]:
-        out += ["## Skipped methods", ""] + [f"- {name}: {why}" for name, why in payload["skipped_methods"].items()] + [""]
     out += ["## Settings", ""] + [f"- {key}: {_plain(value)}" for key, value in payload["settings"].items()] + [""]
     out += ["## Machine", ""] + [f"- {key}: {_plain(value)}" for key, value in payload["machine"].items()] + [""]
     rss_before = payload["memory"]["rss_before_bytes"]
