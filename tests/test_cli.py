@@ -77,3 +77,17 @@ def test_ngram_drafter_and_plain_give_the_same_text(tiny_gguf, capsys):
 def test_compare_refuses_no_drafter(tiny_gguf, capsys):
     assert main(["compare", "--target", tiny_gguf, "--drafter", "none", "x"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
+
+
+def test_costs_prints_a_table_per_kernel_setting(tiny_gguf, capsys):
+    args = ["costs", "--target", tiny_gguf, "--draft", tiny_gguf, "--context", "8", "--tokens", "1,4", "--repeats", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for setting in ["target dense", "draft float32", "draft int8"]:
+        assert setting in out
+    assert "1.00x" in out
+
+
+def test_costs_bad_token_list(tiny_gguf, capsys):
+    assert main(["costs", "--target", tiny_gguf, "--tokens", "1,x"]) == 2
+    assert "--tokens" in capsys.readouterr().err

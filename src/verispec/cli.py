@@ -90,6 +90,16 @@ def _build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--cache-dir", type=Path, default=None)
     fetch.set_defaults(handler=_fetch)
     _add_bench_parser(commands)
+
+    costs = commands.add_parser("costs", help="forward-pass cost by number of new tokens, per kernel setting (what decides gamma here)")
+    costs.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
+    costs.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model, or 'none' (default {DEFAULT_DRAFT})")
+    costs.add_argument("--context", type=int, default=300, help="tokens already in the KV cache (default 300)")
+    costs.add_argument("--tokens", default="1,2,3,4,5,6,8,12,16", help="comma list of new-token counts per pass")
+    costs.add_argument("--repeats", type=int, default=5, help="passes per count; the median is reported (default 5)")
+    costs.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    costs.add_argument("--cache-dir", type=Path, default=None)
+    costs.set_defaults(handler=_costs)
     return parser
 
 
@@ -230,6 +240,36 @@ def _compare(args: argparse.Namespace) -> int:
     if args.json is not None:
         payload = {"settings": {k: str(v) for k, v in vars(args).items() if k != "handler"}, "summary": summary.__dict__, "prompts": rows_to_dicts(rows)}
         args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+def _costs(args: argparse.Namespace) -> int:
+    import torch
+
+    from verispec.bench.costs import format_costs, forward_costs
+    from verispec.models import load_model, quantize_int8
+    from verispec.models.packed_linear import onednn_packing_available, pack_linears
+
+    try:
+        counts = [int(part) for part in args.tokens.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--tokens must be a comma list of integers, got {args.tokens!r}") from None
+    if not counts or min(counts) < 1 or args.context < 1 or args.repeats < 1:
+        raise ValueError("--tokens counts, --context and --repeats must be >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows = {}
+    target = load_model(args.target, cache_dir=args.cache_dir)
+    rows["target dense"] = forward_costs(target.model, args.context, counts, args.repeats)
+    if onednn_packing_available() and target.model.dtype == torch.float32:
+        rows["target packed"] = forward_costs(pack_linears(target.model), args.context, counts, args.repeats)
+    del target
+    if args.draft.lower() != "none":
+        draft = load_model(args.draft, cache_dir=args.cache_dir)
+        rows["draft float32"] = forward_costs(draft.model, args.context, counts, args.repeats)
+        rows["draft int8"] = forward_costs(quantize_int8(draft.model), args.context, counts, args.repeats)
+    print(f"median ms per forward pass over N new tokens after a {args.context}-token cache ({torch.get_num_threads()} threads)")
+    print(format_costs(rows))
     return 0
 
 
