@@ -26,6 +26,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _add_sampling_options(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sub.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    sub.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1 = off")
+    sub.add_argument("--seed", type=int, default=None, help="sampling seed (each generation starts from it)")
+
+
 def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
     sub.add_argument("--target-kernels", choices=["packed", "dense"], default="packed", help="packed (default): oneDNN-packed weights for verification passes of 4+ tokens, which cost ~2x a plain step with the dense kernels on CPU (uses a second copy of the target's weights); dense: PyTorch's default only")
@@ -63,10 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
         sub.add_argument("--gamma", type=int, default=4, help="draft tokens per target call (default 4)")
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
-        sub.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-        sub.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
-        sub.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1 = off")
-        sub.add_argument("--seed", type=int, default=None, help="sampling seed")
+        _add_sampling_options(sub)
         sub.add_argument("--raw", action="store_true", help="do not apply the chat template")
         sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
         sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
@@ -132,10 +136,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--multi-turn", action="store_true", help="also run the later turns of multi-turn prompts, after our plain decoding's answer to the earlier turns")
     bench.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="new tokens at most (default 128; --quick: 32)")
     bench.add_argument("--gamma", type=int, default=4, help="draft tokens per target call for our speculative methods (the maximum for -adaptive) (default 4)")
-    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    bench.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
-    bench.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1 = off")
-    bench.add_argument("--seed", type=int, default=None, help="sampling seed (each run starts from it)")
+    _add_sampling_options(bench)
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
     _add_kernel_options(bench)
