@@ -27,8 +27,8 @@ def forward_costs(model, context_tokens: int, new_token_counts: list[int], repea
     """
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
         raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
-    vocab = model.get_output_embeddings().out_features
     lm = CachedLM(model)
+    vocab = lm.vocab_size
     # Arbitrary but fixed token ids: cost does not depend on which tokens they are.
     lm.extend([(7 * i + 11) % vocab for i in range(context_tokens)], num_logits=0)
     lm.extend([1], num_logits=1)  # warm-up pass (allocations, kernel selection)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from verispec.bench.methods import REFERENCE_METHODS
 from verispec.bench.runner import Row
+from verispec.engine.stats import acceptance_by_position
 
 
 @dataclass
@@ -70,15 +71,6 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return position
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def acceptance_by_position(drafted: Sequence[int], accepted: Sequence[int]) -> list[float]:
-    """Share of rounds that accepted draft position i, among rounds that proposed position i (as GenerationStats)."""
-    rates = []
-    for position in range(max(drafted, default=0)):
-        proposed = sum(1 for n in drafted if n > position)
-        rates.append(sum(1 for n in accepted if n > position) / proposed)
-    return rates
 
 
 def reference_method(methods: Sequence[str]) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -48,13 +49,7 @@ class GenerationStats:
     @property
     def acceptance_by_position(self) -> list[float]:
         """Share of rounds that accepted draft position i, among rounds that proposed position i."""
-        longest = max(self.drafted_per_round, default=0)
-        rates = []
-        for position in range(longest):
-            proposed = sum(1 for drafted in self.drafted_per_round if drafted > position)
-            accepted = sum(1 for taken in self.accepted_per_round if taken > position)
-            rates.append(accepted / proposed)
-        return rates
+        return acceptance_by_position(self.drafted_per_round, self.accepted_per_round)
 
     @property
     def other_s(self) -> float:
@@ -89,3 +84,16 @@ class GenerationStats:
             "total_s": self.total_s,
             "tokens_per_second": self.tokens_per_second,
         }
+
+
+def acceptance_by_position(drafted_per_round: Sequence[int], accepted_per_round: Sequence[int]) -> list[float]:
+    """Share of rounds that accepted draft position i, among rounds that proposed position i.
+
+    Rounds pair up index by index; pooling several generations is concatenating their lists.
+    """
+    rates = []
+    for position in range(max(drafted_per_round, default=0)):
+        proposed = sum(1 for drafted in drafted_per_round if drafted > position)
+        accepted = sum(1 for taken in accepted_per_round if taken > position)
+        rates.append(accepted / proposed)
+    return rates
