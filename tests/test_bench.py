@@ -60,7 +60,7 @@ def bench(tiny_gguf, out, *extra):
 def test_bench_end_to_end_writes_results_report_and_plots(tiny_gguf, prompts_file, tmp_path, capsys):
     out = tmp_path / "out"
     methods = ["plain", "draft-model", "ngram", "hf-plain"]
-    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", ",".join(methods)) == 0
+    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", ",".join(methods), "--gamma", "4") == 0
     stdout = capsys.readouterr().out
     assert "vs plain median (mean)" in stdout and "vs hf-plain median (mean)" in stdout
 

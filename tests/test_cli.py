@@ -91,3 +91,27 @@ def test_costs_prints_a_table_per_kernel_setting(tiny_gguf, capsys):
 def test_costs_bad_token_list(tiny_gguf, capsys):
     assert main(["costs", "--target", tiny_gguf, "--tokens", "1,x"]) == 2
     assert "--tokens" in capsys.readouterr().err
+
+
+def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, capsys):
+    common = ["--target", tiny_gguf, "--cache-dir", str(tmp_path)]
+    assert main(["eagle", "extract", *common, "--max-tokens", "600", "--max-seq-len", "200"]) == 0
+    assert "600 tokens" in capsys.readouterr().err
+    train = ["--epochs", "1", "--tokens-per-step", "200", "--intermediate-size", "16", "--draft-vocab", "50"]
+    assert main(["eagle", "train", *common, *train]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["steps"] >= 2 and "head.safetensors" in err
+    assert main(["eagle", "eval", *common, "--num-prompts", "1", "--max-new-tokens", "6", "--gamma", "3"]) == 0
+    assert "tau" in capsys.readouterr().out
+    # The default head path is where `eagle train` put it; generate and costs find it there.
+    assert main(["generate", *common, "--drafter", "eagle", "--max-new-tokens", "8", "hello"]) == 0
+    assert "8 tokens" in capsys.readouterr().err
+    assert main(["costs", *common, "--draft", "none", "--context", "8", "--tokens", "1,3", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "eagle, 50 vocab" in out and "eagle, full vocab" in out
+
+
+def test_eagle_drafter_without_a_head_is_a_clear_error(tiny_gguf, tmp_path, capsys):
+    assert main(["generate", "--target", tiny_gguf, "--drafter", "eagle", "--eagle-head", str(tmp_path / "none.safetensors"), "x"]) == 2
+    err = capsys.readouterr().err
+    assert "EAGLE head" in err and "verispec eagle build" in err and "Traceback" not in err

@@ -10,6 +10,7 @@ from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
 from tiny_models import anti_copy, noisy_copy, tiny_target
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder, logits_to_probs
 from verispec.drafters import DraftContext, NgramDrafter, Proposal
+from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 
 PROMPTS = [[1, 2, 3], [7], [5, 17, 42, 9, 33, 60, 2, 11], list(range(10, 40))]
 
@@ -176,6 +177,11 @@ def _exact_first_two(model, prompt, sampling):
     return table
 
 
+def _eagle_head(target):
+    torch.manual_seed(3)
+    return EagleHead(EagleConfig.for_target(target.config, intermediate_size=16)).eval()
+
+
 @pytest.mark.parametrize(
     ("sampling", "drafter_kind"),
     [
@@ -184,8 +190,10 @@ def _exact_first_two(model, prompt, sampling):
         (SamplingParams(temperature=1.2, top_p=0.75), "draft-model"),
         (SamplingParams(temperature=1.0), "ngram"),
         (SamplingParams(temperature=1.0), "draft-model-confident"),
+        (SamplingParams(temperature=1.0), "eagle"),
+        (SamplingParams(temperature=0.9, top_p=0.8), "eagle-draft-vocab"),
     ],
-    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop"],
+    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab"],
 )
 def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind):
     target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
@@ -196,6 +204,9 @@ def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind)
         "draft-model": lambda: DraftModel(draft),
         "draft-model-confident": lambda: DraftModel(draft, confidence_threshold=0.5),  # draft length varies
         "ngram": NgramDrafter,
+        "eagle": lambda: EagleDrafter(target, _eagle_head(target)),
+        # Drafts only from tokens 1, 2, 4: zero draft mass on the others must stay exact.
+        "eagle-draft-vocab": lambda: EagleDrafter(target, _eagle_head(target), draft_vocab=torch.tensor([1, 2, 4])),
     }[drafter_kind]()
     decoder = SpeculativeDecoder(target, drafter, gamma=2)
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)

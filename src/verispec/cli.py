@@ -66,7 +66,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     def model_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
-        sub.add_argument("--drafter", choices=["draft-model", "ngram", "none"], default="draft-model", help="how drafts are made: a small draft model (default), prompt lookup (ngram), or none (plain decoding)")
+        sub.add_argument("--drafter", choices=["draft-model", "ngram", "eagle", "none"], default="draft-model", help="how drafts are made: a small draft model (default), prompt lookup (ngram), an EAGLE head (eagle, see --eagle-head), or none (plain decoding)")
+        sub.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for --drafter eagle (default <cache>/eagle/<target>/head.safetensors, made by `verispec eagle build`)")
         sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
         sub.add_argument("--gamma", type=int, default=4, help="draft tokens per target call (default 4)")
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
@@ -95,6 +96,10 @@ def _build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(handler=_fetch)
     _add_bench_parser(commands)
 
+    from verispec.eagle_cli import add_eagle_parser
+
+    add_eagle_parser(commands)
+
     costs = commands.add_parser("costs", help="forward-pass cost by number of new tokens, per kernel setting (what decides gamma here)")
     costs.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     costs.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model, or 'none' (default {DEFAULT_DRAFT})")
@@ -103,6 +108,7 @@ def _build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--repeats", type=int, default=5, help="passes per count; the median is reported (default 5)")
     costs.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     costs.add_argument("--cache-dir", type=Path, default=None)
+    costs.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="also time this EAGLE head's steps, over its draft vocabulary and the full one (default: the head `verispec eagle build` made, if any)")
     costs.set_defaults(handler=_costs)
     return parser
 
@@ -127,19 +133,20 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     )
     bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
     bench.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for the methods that use one (default {DEFAULT_DRAFT}); loaded only if needed")
-    bench.add_argument("--methods", default=None, metavar="A,B", help=f"comma list of methods (below); default: all {len(DEFAULT_METHODS)}; with --quick: {','.join(QUICK_METHODS)}")
+    bench.add_argument("--methods", default=None, metavar="A,B", help=f"comma list of methods (below); default: {','.join(DEFAULT_METHODS)}; with --quick: {','.join(QUICK_METHODS)}")
     bench.add_argument("--set", dest="sets", default=None, metavar="SETS", help="prompt sets, comma list of humaneval, spec-bench, file (default humaneval,spec-bench; file when --prompts is given)")
     bench.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl", help='user prompts, one JSON object a line: {"id"?, "category"?, "prompt": str} or {..., "turns": [str, ...]}')
     bench.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
     bench.add_argument("--categories", default=None, metavar="A,B", help="comma list of categories to keep (e.g. humaneval,coding,rag)")
-    bench.add_argument("--num-prompts", type=int, default=None, metavar="N", help="at most N prompts per category; HumanEval is one category (default 3 for humaneval and spec-bench, all of a --prompts file; --quick: 2 HumanEval, 1 per Spec-Bench category)")
+    bench.add_argument("--num-prompts", type=int, default=None, metavar="N", help="at most N prompts per category; HumanEval is one category (default 8 HumanEval and 1 per Spec-Bench category, all of a --prompts file; --quick: 2 HumanEval, 1 per Spec-Bench category)")
     bench.add_argument("--multi-turn", action="store_true", help="also run the later turns of multi-turn prompts, after our plain decoding's answer to the earlier turns")
     bench.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="new tokens at most (default 128; --quick: 32)")
-    bench.add_argument("--gamma", type=int, default=4, help="draft tokens per target call for our speculative methods (the maximum for -adaptive) (default 4)")
+    bench.add_argument("--gamma", type=int, default=6, help="draft tokens per target call for our speculative methods (the maximum for -adaptive) (default 6, the best fixed value measured for the built-in pair on HumanEval)")
     _add_sampling_options(bench)
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
     _add_kernel_options(bench)
+    bench.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for the eagle methods (default <cache>/eagle/<target>/head.safetensors)")
     bench.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory (default bench-results/<timestamp>/)")
     bench.add_argument("--quick", action="store_true", help="a small preset for iteration: 2 HumanEval prompts + 1 per Spec-Bench category, 32 new tokens, methods plain,draft-model,ngram (about 10-15 minutes for the built-in models on a 2-core CPU); explicit options override it")
     bench.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short untimed run of each method before timing")
@@ -170,17 +177,33 @@ def _load(args: argparse.Namespace):
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.gamma < 1:
         raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
+    eagle_head = _eagle_head_path(args) if args.drafter == "eagle" else None
     started = time.perf_counter()
     target = load_model(args.target, cache_dir=args.cache_dir)
     draft = None
     if args.drafter == "draft-model" and args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)
     _prepare_models(args, target, draft)
-    drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence) if draft is not None else None
+    if eagle_head is not None:
+        from verispec.drafters.eagle import EagleDrafter
+
+        drafter = EagleDrafter(target, eagle_head)
+    else:
+        drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence) if draft is not None else None
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     plain = SpeculativeDecoder(target)
     speculative = SpeculativeDecoder(target, drafter, gamma=args.gamma) if drafter is not None else plain
     return target, plain, speculative, sampling
+
+
+def _eagle_head_path(args: argparse.Namespace) -> Path:
+    """The EAGLE head to load, checked to exist before minutes of model loading."""
+    from verispec.drafters.eagle import default_head_path
+
+    path = args.eagle_head or default_head_path(args.target, args.cache_dir)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"EAGLE head {str(path)!r} not found: train one with `verispec eagle build --target {args.target}` or pass --eagle-head PATH")
+    return Path(path)
 
 
 def _encode(target, text: str, raw: bool) -> list[int]:
@@ -264,6 +287,22 @@ def _costs(args: argparse.Namespace) -> int:
     rows["target dense"] = forward_costs(target.model, args.context, counts, args.repeats)
     if onednn_packing_available() and target.model.dtype == torch.float32:
         rows["target packed"] = forward_costs(pack_linears(target.model), args.context, counts, args.repeats)
+    head_path = args.eagle_head
+    if head_path is None:
+        from verispec.drafters.eagle import default_head_path
+
+        head_path = default_head_path(args.target, args.cache_dir)
+    if Path(head_path).is_file():
+        from verispec.bench.costs import eagle_costs
+        from verispec.drafters.eagle import EagleDrafter
+
+        reduced = EagleDrafter(target, head_path)
+        if reduced.vocab_ids is not None:
+            rows[f"eagle, {len(reduced.vocab_ids)} vocab"] = eagle_costs(reduced, args.context, counts, args.repeats)
+        rows["eagle, full vocab"] = eagle_costs(EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
+        del reduced
+    elif args.eagle_head is not None:
+        raise FileNotFoundError(f"EAGLE head {str(args.eagle_head)!r} not found")
     del target
     if args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)
@@ -304,7 +343,9 @@ def _bench_preset(quick: bool) -> _BenchPreset:
         # token): per method ~60 s of target prefill + ~140 s of decoding (+25 s of draft prefill for
         # draft-model) -> ~11 min with warm-up and loading; 15 min if decoding runs at 0.45 s a token.
         return _BenchPreset(QUICK_METHODS, 32, {"humaneval": 2, "spec-bench": 1, "file": None})
-    return _BenchPreset(DEFAULT_METHODS, 128, {"humaneval": 3, "spec-bench": 3, "file": None})
+    # The issue's set: HumanEval x8 + Spec-Bench x1 per category (13), 128 new tokens, 8 methods:
+    # ~4.5 min a prompt for all methods (prefill ~25 ms a token per method) -> ~95 minutes.
+    return _BenchPreset(DEFAULT_METHODS, 128, {"humaneval": 8, "spec-bench": 1, "file": None})
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -336,6 +377,7 @@ def _bench(args: argparse.Namespace) -> int:
     needs_draft = any(METHODS[name].needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
         raise ValueError(f"--draft none, but {', '.join(n for n in names if METHODS[n].needs_draft)} need(s) a draft model")
+    eagle_head = _eagle_head_path(args) if any(name.startswith("eagle") for name in names) else None
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     out_dir = args.out if args.out is not None else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -351,7 +393,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("the target has no tokenizer; benchmark prompts are text")
     if args.multi_turn and not target.tokenizer.chat_template and any(p.follow_ups for p in prompts):
         raise ValueError("--multi-turn needs a target with a chat template (to place earlier answers in the conversation)")
-    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence) for name in names}
+    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head) for name in names}
     answer_method = build_method("plain", target, None, args.gamma) if args.multi_turn and "plain" not in methods else None
     settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup)
 

@@ -55,3 +55,35 @@ def format_costs(rows: dict[str, list[ForwardCost]]) -> str:
         cells = [f"{c.median_s * 1000:7.0f}ms" + (f" {c.median_s / base:4.2f}x" if base else "") for c in costs]
         lines.append(name.ljust(24) + "".join(f"{cell:>14}" for cell in cells))
     return "\n".join(lines)
+
+
+def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repeats: int = 5) -> list[ForwardCost]:  # noqa: ANN001 - an EagleDrafter
+    """Median seconds of one EAGLE head call over ``n`` positions plus the draft logits of the last one.
+
+    n = 1 is one draft step; larger n is the catch-up call after a round accepted n - 1 drafts.
+    Features are random: the cost does not depend on their values.
+    """
+    import torch
+
+    from verispec.drafters.eagle.head import HeadKVCache
+
+    if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
+        raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
+    head, hidden = drafter.head, drafter.head.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    cache = HeadKVCache()
+    costs = []
+    with torch.inference_mode():
+        head(torch.randn(1, context_tokens, hidden, generator=generator), torch.randn(1, context_tokens, hidden, generator=generator), 0, cache)
+        for count in new_token_counts:
+            features = torch.randn(1, count, hidden, generator=generator)
+            ids = torch.arange(count)[None] % drafter.vocab_size
+            times = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                started = time.perf_counter()
+                predicted = head(features, drafter.embed(ids).float(), context_tokens, cache)
+                drafter.draft_logits(predicted[0, -1:]).argmax()
+                times.append(time.perf_counter() - started)
+                cache.crop(context_tokens)
+            costs.append(ForwardCost(count, statistics.median(times[1:])))
+    return costs

@@ -22,8 +22,9 @@ class DraftContext:
     """What the engine knows when it asks for drafts."""
 
     token_ids: list[int]  # the committed sequence: prompt + every token emitted so far
-    # Top-layer features of the target for committed positions features_start .. len(token_ids)-2,
-    # from the verification passes already run (for feature-level drafters; None unless asked for).
+    # Top-layer features of the target for committed positions features_start .. len(token_ids)-2
+    # that this session has not been handed before (every position exactly once, in order, from the
+    # passes already run: no extra target call). None unless the drafter asks for features.
     target_features: torch.Tensor | None = None  # [num_positions, hidden]
     features_start: int = 0
 

@@ -140,15 +140,20 @@ class SpeculativeDecoder:
         drafted_before = False  # a session's first proposal also pays the drafter's prompt prefill
         resumed = time.perf_counter()  # total_s counts our work, not the time a consumer holds a step
         try:
+            # Target features the drafter has not been handed yet (rounds without drafting included).
+            unseen_features: list[torch.Tensor] = []  # each [n, hidden]
             with _timed(stats, "prefill_s"):
-                features = target.extend(prompt[:-1], num_logits=0).features if len(prompt) > 1 else None
+                if len(prompt) > 1:
+                    prefill = target.extend(prompt[:-1], num_logits=0)
+                    if wants_features:
+                        unseen_features.append(prefill.features)
             while True:
                 budget = max_new_tokens - stats.new_tokens
                 wanted = controller.choose() if controller is not None else self.gamma
                 num_draft = min(wanted, budget - 1)  # never draft what we could not emit
                 proposal, draft_elapsed = _NO_DRAFT, 0.0
                 if session is not None and num_draft > 0:
-                    context = DraftContext(tokens, features if wants_features else None, len(target) - (0 if features is None else len(features)))
+                    context = _draft_context(tokens, unseen_features, len(target))
                     with _timed(stats, "draft_s") as draft_clock:
                         proposal = session.propose(context, num_draft, generator)
                     draft_elapsed = draft_clock.elapsed
@@ -159,7 +164,8 @@ class SpeculativeDecoder:
                     output, num_accepted = _verify(drafts, proposal.probs, forward.logits, sampling, generator)
                     # Keep the cache at committed-minus-last: drop the rejected drafts' keys/values.
                     target.crop(len(tokens) + num_accepted)
-                    features = forward.features[: num_accepted + 1]
+                    if wants_features:
+                        unseen_features.append(forward.features[: num_accepted + 1])
                 new_tokens, stopped = stopper.cut(output[: num_accepted + 1])
                 tokens.extend(new_tokens)
                 stats.record_round(len(drafts), num_accepted, len(new_tokens), proposal.num_forward_passes)
@@ -178,6 +184,15 @@ class SpeculativeDecoder:
             if session is not None:
                 session.close()
             target.release()
+
+
+def _draft_context(tokens: list[int], unseen_features: list[torch.Tensor], target_length: int) -> DraftContext:
+    """Hand the drafter the committed tokens and the features it has not seen (then forget them)."""
+    if not unseen_features:
+        return DraftContext(tokens)
+    features = torch.cat(unseen_features) if len(unseen_features) > 1 else unseen_features[0]  # [n, hidden]
+    unseen_features.clear()
+    return DraftContext(tokens, features, target_length - len(features))
 
 
 def _verify(

@@ -12,7 +12,7 @@ from .fetch import ModelFetchError, fetch_gguf
 from .loading import LoadedModel, NotAGGUFError, load_model, prepare_builtin
 from .quantize import quantize_int8
 from .registry import BUILTIN_MODELS, DEFAULT_DRAFT, DEFAULT_TARGET, BuiltinModel, default_cache_dir
-from .text import PROBES, TokenizerMismatchError, check_same_tokenizer, encode_prompt
+from .text import PROBES, TokenizerMismatchError, check_same_tokenizer, encode_chat, encode_prompt
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -27,6 +27,7 @@ __all__ = [
     "check_same_tokenizer",
     "convert_gguf",
     "default_cache_dir",
+    "encode_chat",
     "encode_prompt",
     "fetch_gguf",
     "load_model",

@@ -86,5 +86,12 @@ def encode_prompt(
     return _ids(tokenizer, text)
 
 
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of a whole conversation (answers included), as the model sees it in chat."""
+    if tokenizer.chat_template:
+        return _ids(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False))
+    return _ids(tokenizer, "\n\n".join(message["content"] for message in messages))
+
+
 def _ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

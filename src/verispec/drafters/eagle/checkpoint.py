@@ -1,0 +1,116 @@
+"""Saving and loading an EAGLE head, bound to the one target it was trained on.
+
+A head predicts one target's features; loaded next to another target it would draft garbage
+(still exact, but slow) or crash on a shape. So a checkpoint records the target's shape and a
+fingerprint of its embedding and LM-head weights, and :func:`load_head` refuses a mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from verispec.drafters.eagle.head import EagleConfig, EagleHead
+
+FORMAT = "verispec-eagle-1"
+_FINGERPRINT_ROWS = 64
+
+
+class EagleHeadMismatchError(ValueError):
+    """The head was trained for a different target (shape, vocabulary or weights)."""
+
+
+def default_head_path(target_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where ``verispec eagle build`` puts the head for a target: <cache>/eagle/<target>/head.safetensors."""
+    from verispec.models.registry import default_cache_dir
+
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in Path(str(target_name)).name or "target")
+    return Path(cache_dir or default_cache_dir()) / "eagle" / safe / "head.safetensors"
+
+
+def target_fingerprint(target: PreTrainedModel) -> str:
+    """A short hash of what the head depends on: shapes, and the target's embedding/LM-head rows.
+
+    Rounded to bfloat16 first, so the same weights loaded as float32 or bfloat16 match.
+    """
+    config = target.config.get_text_config(decoder=True)
+    digest = hashlib.sha256()
+    digest.update(f"{config.model_type}|{config.hidden_size}|{config.vocab_size}|{config.num_hidden_layers}".encode())
+    for matrix in (target.get_input_embeddings().weight, target.get_output_embeddings().weight):
+        rows = torch.linspace(0, matrix.shape[0] - 1, _FINGERPRINT_ROWS).long()
+        sample = matrix.detach()[rows].to(torch.bfloat16).view(torch.int16)
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def save_head(
+    path: str | os.PathLike,
+    head: EagleHead,
+    *,
+    draft_vocab: torch.Tensor | None,  # [draft_vocab] int64 token ids, or None for the full vocabulary
+    fingerprint: str,
+    dtype: torch.dtype = torch.float32,
+    training: dict | None = None,
+) -> Path:
+    """Write the head atomically (a crash leaves the previous file intact)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: value.detach().to(dtype).contiguous() for name, value in head.state_dict().items()}
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
+    metadata = {
+        "format": FORMAT,
+        "config": json.dumps(head.config.to_dict()),
+        "target_fingerprint": fingerprint,
+        "training": json.dumps(training or {}),
+    }
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata=metadata)
+    os.replace(partial, path)
+    return path
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as error:  # safetensors raises its own error types for a damaged header
+        raise ValueError(f"{path} is not a verispec EAGLE head (unreadable safetensors: {error})") from None
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a verispec EAGLE head (format {metadata.get('format')!r}, expected {FORMAT!r})")
+    return metadata
+
+
+def load_head(path: str | os.PathLike, target: PreTrainedModel) -> tuple[EagleHead, torch.Tensor | None]:
+    """Load a head for ``target``: (head in float32, eval mode; draft vocabulary ids or None)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"EAGLE head {str(path)!r} does not exist")
+    metadata = read_metadata(path)
+    config = EagleConfig(**json.loads(metadata["config"]))
+    expected = EagleConfig.for_target(target.config, config.intermediate_size)
+    for field in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+        if getattr(config, field) != getattr(expected, field):
+            raise EagleHeadMismatchError(
+                f"EAGLE head {path.name} was trained for a target with {field}={getattr(config, field)}, "
+                f"this target has {getattr(expected, field)}"
+            )
+    fingerprint = target_fingerprint(target)
+    if metadata["target_fingerprint"] != fingerprint:
+        raise EagleHeadMismatchError(
+            f"EAGLE head {path.name} was trained for a different target (fingerprint {metadata['target_fingerprint']}, "
+            f"this target {fingerprint}): train one for it with `verispec eagle extract` + `verispec eagle train`"
+        )
+    tensors = load_file(str(path))
+    draft_vocab = tensors.pop("draft_vocab", None)
+    head = EagleHead(config)
+    head.load_state_dict({name: value.float() for name, value in tensors.items()})
+    return head.eval().requires_grad_(False), draft_vocab

