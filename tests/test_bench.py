@@ -113,7 +113,7 @@ def assert_valid_png(path: Path) -> None:
 def test_multi_turn_and_hf_methods_run(tiny_gguf, tmp_path):
     out = tmp_path / "out"
     spec = spec_bench_file(tmp_path / "dev.jsonl", {"writing": 2, "rag": 1})
-    args = ["--set", "spec-bench", "--spec-bench", str(spec), "--multi-turn", "--methods", "ngram,hf-assisted,hf-lookup"]
+    args = ["--set", "spec-bench", "--spec-bench", str(spec), "--num-prompts", "3", "--multi-turn", "--methods", "ngram,hf-assisted,hf-lookup"]
     assert bench(tiny_gguf, out, *args) == 0
     results = json.loads((out / "results.json").read_text())
     # The first question of each category has two turns; "plain" is not among the methods, so an
