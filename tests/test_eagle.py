@@ -91,6 +91,23 @@ def test_greedy_output_is_token_identical_to_plain(target, gamma):
         assert all(0 <= a <= d <= gamma for d, a in zip(drafted, accepted))
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_other_families_get_a_head_of_their_shape(family):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = model_class(config_class(**shape)).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked distributions: no argmax near-ties
+    config = EagleConfig.for_target(model.config, 24)
+    assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.attention_bias) == (32, 4, 2, 8, False)
+    eagle = SpeculativeDecoder(model, EagleDrafter(model, EagleHead(config)), gamma=3)
+    prompt = [5, 9, 2, 33]
+    assert eagle.generate(prompt, 20, stop=[]).token_ids == SpeculativeDecoder(model).generate(prompt, 20, stop=[]).token_ids
+
+
 def test_features_come_from_the_verification_passes_without_extra_target_calls(target):
     calls = []
     hook = target.model.register_forward_hook(lambda *args: calls.append(1))
