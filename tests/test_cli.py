@@ -108,7 +108,7 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert "8 tokens" in capsys.readouterr().err
     assert main(["costs", *common, "--draft", "none", "--context", "8", "--tokens", "1,3", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    assert "eagle, 50 vocab" in out and "eagle, full vocab" in out
+    assert "eagle, 50 vocab" in out and "eagle int8, 50 vocab" in out and "eagle, full vocab" in out
 
 
 def test_eagle_drafter_without_a_head_is_a_clear_error(tiny_gguf, tmp_path, capsys):

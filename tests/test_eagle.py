@@ -108,6 +108,19 @@ def test_other_families_get_a_head_of_their_shape(family):
     assert eagle.generate(prompt, 20, stop=[]).token_ids == SpeculativeDecoder(model).generate(prompt, 20, stop=[]).token_ids
 
 
+def test_int8_head_is_a_quantised_copy_and_stays_exact(target):
+    head = fresh_head(target)
+    drafter = EagleDrafter(target, head, draft_vocab=torch.arange(0, VOCAB, 2), quantize=True)
+    assert type(head.fc) is torch.nn.Linear  # the caller's head is untouched
+    assert "quantized" in type(drafter.head.fc).__module__ and "quantized" in type(drafter._lm_head).__module__
+    decoder = SpeculativeDecoder(target, drafter, gamma=4)
+    prompt = [9, 8, 7, 6]
+    result = decoder.generate(prompt, 25, stop=[])
+    assert result.token_ids == SpeculativeDecoder(target).generate(prompt, 25, stop=[]).token_ids
+    sampled = decoder.generate(prompt, 25, SamplingParams(temperature=1.0, seed=2), stop=[])
+    assert len(sampled.token_ids) == 25
+
+
 def test_features_come_from_the_verification_passes_without_extra_target_calls(target):
     calls = []
     hook = target.model.register_forward_hook(lambda *args: calls.append(1))

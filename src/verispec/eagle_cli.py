@@ -62,6 +62,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
     evaluate.add_argument("--num-prompts", type=int, default=8, help="HumanEval prompts (default 8)")
     evaluate.add_argument("--gamma", type=int, default=6, help="drafts per round (default 6)")
     evaluate.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    evaluate.add_argument("--draft-quantize", choices=["int8", "none"], default="none", help="int8: the head with int8 linears (default none)")
     evaluate.set_defaults(handler=_eval)
 
 
@@ -158,7 +159,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts, --gamma and --max-new-tokens must be >= 1")
     _, head_path = _paths(args)
     target = _setup(args)
-    decoder = SpeculativeDecoder(target, EagleDrafter(target, head_path), gamma=args.gamma)
+    decoder = SpeculativeDecoder(target, EagleDrafter(target, head_path, quantize=args.draft_quantize == "int8"), gamma=args.gamma)
     drafted, accepted, calls, emitted = [], [], 0, 0
     for prompt in tqdm(humaneval_prompts(args.num_prompts), desc="eval", unit="prompt", file=sys.stderr):
         result = decoder.generate(encode_prompt(target.tokenizer, prompt.text), args.max_new_tokens)

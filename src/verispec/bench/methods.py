@@ -154,11 +154,13 @@ def build_method(
     gamma: int,
     draft_confidence: float | None = None,
     eagle_head: Any | None = None,
+    eagle_quantize: bool = False,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
     ``draft_confidence``: our draft-model methods stop a round's drafting below this probability.
-    ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods.
+    ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods;
+    ``eagle_quantize``: run it with int8 linears.
     """
     spec = METHODS[name]
     if spec.needs_draft and draft is None:
@@ -178,7 +180,7 @@ def build_method(
 
         if eagle_head is None:
             raise ValueError(f"method {name!r} needs an EAGLE head (--eagle-head PATH; `verispec eagle build` trains one)")
-        drafter = EagleDrafter(target, eagle_head)
+        drafter = EagleDrafter(target, eagle_head, quantize=eagle_quantize)
     elif name.startswith("ngram+"):
         drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence))
     else:

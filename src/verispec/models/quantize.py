@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 
-def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
+def quantize_int8(model: PreTrainedModel | torch.nn.Module) -> PreTrainedModel | torch.nn.Module:
     """Swap every ``nn.Linear`` for PyTorch's int8 dynamic-quantised linear (per-tensor weights).
 
     Uses torch's own module swap on this instance (no transformers class is modified).

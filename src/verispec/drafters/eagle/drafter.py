@@ -13,16 +13,16 @@ cropped), so EAGLE always conditions on the target's features once they exist.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-
 from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead, HeadKVCache
 from verispec.modelref import unwrap_model
+from verispec.models.quantize import quantize_int8
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
 
@@ -33,6 +33,8 @@ class EagleDrafter:
     brings its own); drafting then multiplies by those LM-head rows only. Exact either way:
     verification receives the probabilities actually sampled from, zero outside the subset.
     ``use_draft_vocab=False`` drafts over the full vocabulary with the shared LM head.
+    ``quantize=True``: int8 dynamic linears for the head and its LM-head rows (a copy of the head;
+    cheaper draft steps, possibly lower acceptance, the output exact either way).
     """
 
     needs_target_features = True
@@ -44,6 +46,7 @@ class EagleDrafter:
         draft_vocab: torch.Tensor | None = None,  # [draft_vocab] int64
         *,
         use_draft_vocab: bool = True,
+        quantize: bool = False,
         name: str = "eagle",
     ) -> None:
         target_model, self.tokenizer = unwrap_model(target, argument="EagleDrafter(target)")
@@ -56,6 +59,8 @@ class EagleDrafter:
         if head.config.hidden_size != target_hidden:
             raise ValueError(f"head hidden_size {head.config.hidden_size} does not match the target's {target_hidden}")
         self.head = head.eval().requires_grad_(False)
+        if quantize:
+            self.head = quantize_int8(copy.deepcopy(self.head))
         self.name = name
         self.embed = target_model.get_input_embeddings()
         lm_head = target_model.get_output_embeddings()
@@ -66,15 +71,15 @@ class EagleDrafter:
                 raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids in [0, {vocab})")
             self.vocab_ids = draft_vocab.to(torch.long)
             # The one copy: those rows of the LM head, contiguous, so a draft step reads only them.
-            self._head_rows = lm_head.weight.detach()[self.vocab_ids].float().contiguous()  # [draft_vocab, hidden]
+            rows = torch.nn.Linear(lm_head.weight.shape[1], len(self.vocab_ids), bias=False)
+            rows.weight = torch.nn.Parameter(lm_head.weight.detach()[self.vocab_ids].float().contiguous(), requires_grad=False)
+            self._lm_head = quantize_int8(torch.nn.Sequential(rows))[0] if quantize else rows
         else:
-            self._lm_head = lm_head  # shared, whatever kernel the target uses
+            self._lm_head = lm_head  # shared, whatever kernel the target uses (never quantised: it is the target's)
         self.vocab_size = int(lm_head.weight.shape[0])
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary # [n, draft_vocab] for features # [n, hidden]."""
-        if self.vocab_ids is not None:
-            return F.linear(features, self._head_rows)
         return self._lm_head(features).float()
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "EagleSession":
