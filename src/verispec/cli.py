@@ -40,10 +40,17 @@ def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
 
 
-def _check_kernel_options(args: argparse.Namespace) -> None:
-    """Validate before minutes of model loading."""
+def _check_decoding_options(args: argparse.Namespace, max_new_tokens: int):  # noqa: ANN202 - SamplingParams
+    """Validate the options generate/compare/bench share, before minutes of model loading."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if args.gamma < 1:
+        raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.draft_confidence is not None and not 0.0 <= args.draft_confidence < 1.0:
         raise ValueError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
+    return _sampling(args)
 
 
 def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: ANN001 - LoadedModels
@@ -167,16 +174,9 @@ def _load(args: argparse.Namespace):
     from verispec.engine import SpeculativeDecoder
     from verispec.models import load_model
 
+    sampling = _check_decoding_options(args, args.max_new_tokens)  # before minutes of loading
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    sampling = _sampling(args)  # validate before minutes of loading
-    _check_kernel_options(args)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.gamma < 1:
-        raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
     eagle_head = _eagle_head_path(args) if args.drafter == "eagle" else None
     started = time.perf_counter()
     target = load_model(args.target, cache_dir=args.cache_dir)
@@ -366,14 +366,7 @@ def _bench(args: argparse.Namespace) -> int:
     preset = _bench_preset(args.quick)
     names = parse_methods(args.methods if args.methods is not None else ",".join(preset.methods))
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else preset.max_new_tokens
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if args.gamma < 1:
-        raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    sampling = _sampling(args)
-    _check_kernel_options(args)
+    sampling = _check_decoding_options(args, max_new_tokens)
     prompts, per_set = _bench_prompts(args, preset)
     needs_draft = any(METHODS[name].needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
