@@ -97,6 +97,8 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     common = ["--target", tiny_gguf, "--cache-dir", str(tmp_path)]
     assert main(["eagle", "extract", *common, "--max-tokens", "600", "--max-seq-len", "200"]) == 0
     assert "600 tokens" in capsys.readouterr().err
+    assert main(["eagle", "answers", *common, "--answer-tokens", "60", "--answer-draft", "none", "--max-seq-len", "200"]) == 0
+    assert "60 tokens of answers" in capsys.readouterr().err
     train = ["--epochs", "1", "--tokens-per-step", "200", "--intermediate-size", "16", "--draft-vocab", "50"]
     assert main(["eagle", "train", *common, *train]) == 0
     out, err = capsys.readouterr()

@@ -205,6 +205,25 @@ def test_extract_is_resumable_and_refuses_another_target(target, tmp_path):
         extract_features(other, docs, tmp_path, ExtractSettings(max_tokens=500), progress=False)
 
 
+def test_recorded_answers_are_the_targets_own_with_their_features(target, tmp_path):
+    from verispec.drafters import NgramDrafter
+    from verispec.drafters.eagle.extract import record_answers
+
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    requests = [("a", "w1 w2 w3 w1 w2 w3"), ("b", "w7 w8 w9 w7 w8")]
+    manifest = record_answers(loaded, NgramDrafter(), requests, tmp_path, ExtractSettings(max_tokens=10_000), max_new_tokens=20, gamma=3, progress=False)
+    assert [s["documents"] for s in manifest["shards"]] == [2]
+    _, sequences = load_shards(tmp_path)
+    for (tokens, features), (_, text) in zip(sequences, requests):
+        prompt = words_tokenizer()(text)["input_ids"]
+        answer = SpeculativeDecoder(target).generate(prompt, 20).token_ids
+        # The last rounds hand no features to a drafter (nothing left to draft): a few tokens are dropped.
+        assert tokens.tolist() == (prompt + answer)[: len(tokens)] and len(tokens) >= len(prompt) + 20 - 2 * 4
+        with torch.no_grad():
+            expected = target.model(tokens[None]).last_hidden_state[0]
+        torch.testing.assert_close(features.float(), expected, atol=0.05, rtol=0.02)
+
+
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path):
     loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
     extract_features(loaded, documents(40), tmp_path / "features", ExtractSettings(max_tokens=1600), progress=False)

@@ -20,11 +20,18 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
         sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
-    def extract_options(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--features", type=Path, default=None, metavar="DIR", help="feature shards directory (default <cache>/eagle/<target>/features)")
-        sub.add_argument("--max-tokens", type=int, default=150_000, help="corpus tokens to run through the target (default 150000: ~40 min for the built-in target on 2 cores, ~64 tokens/s)")
+    def sequence_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--max-seq-len", type=int, default=1024, help="tokens per training sequence at most (default 1024)")
-        sub.add_argument("--corpus-seed", type=int, default=0, help="order of the standard-library modules (default 0)")
+        sub.add_argument("--corpus-seed", type=int, default=0, help="order of the standard-library modules and requests (default 0)")
+
+    def extract_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--max-tokens", type=int, default=120_000, help="stdlib tokens to run through the target (default 120000: ~30 min for the built-in target on 2 cores, ~64 tokens/s)")
+
+    def answer_options(sub: argparse.ArgumentParser) -> None:
+        from verispec.models import DEFAULT_DRAFT
+
+        sub.add_argument("--answer-tokens", type=int, default=12_000, help="tokens of the target's own answers to record (default 12000: ~35 min at ~5.5 tokens/s with the draft model)")
+        sub.add_argument("--answer-draft", default=DEFAULT_DRAFT, help=f"draft model that speeds the answers up, or 'none' (default {DEFAULT_DRAFT}); the answers are the target's either way")
 
     def train_options(sub: argparse.ArgumentParser) -> None:
         from verispec.drafters.eagle.train import TrainSettings
@@ -41,18 +48,27 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
 
     extract = steps.add_parser("extract", help="run the frozen target over the standard-library corpus; save (tokens, features) shards; resumable")
     common(extract)
+    sequence_options(extract)
     extract_options(extract)
     extract.set_defaults(handler=_extract)
 
+    answers = steps.add_parser("answers", help="record the target's own answers to stdlib coding requests with their features; resumable")
+    common(answers)
+    sequence_options(answers)
+    answer_options(answers)
+    answers.set_defaults(handler=_answers)
+
     train = steps.add_parser("train", help="train a head on extracted features (SmoothL1 + 0.1 CE, cosine LR); resumable from its checkpoint")
     common(train)
-    train.add_argument("--features", type=Path, default=None, metavar="DIR", help="feature shards directory (default <cache>/eagle/<target>/features)")
+    train.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help="feature shards directory, repeatable (default: <cache>/eagle/<target>/features and .../answers, those that exist)")
     train_options(train)
     train.set_defaults(handler=_train)
 
-    build = steps.add_parser("build", help="extract + train with the defaults: the head `--drafter eagle` uses")
+    build = steps.add_parser("build", help="extract + answers + train with the defaults: the head `--drafter eagle` uses (~2 h for the built-in target)")
     common(build)
+    sequence_options(build)
     extract_options(build)
+    answer_options(build)
     train_options(build)
     build.set_defaults(handler=_build)
 
@@ -66,12 +82,13 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
     evaluate.set_defaults(handler=_eval)
 
 
-def _paths(args: argparse.Namespace) -> tuple[Path, Path]:
+def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """(stdlib features dir, answers features dir, head file)."""
     from verispec.drafters.eagle import default_head_path
 
-    head = getattr(args, "out", None) or getattr(args, "head", None) or default_head_path(args.target, args.cache_dir)
-    features = getattr(args, "features", None) or default_head_path(args.target, args.cache_dir).parent / "features"
-    return Path(features), Path(head)
+    default = default_head_path(args.target, args.cache_dir)
+    head = getattr(args, "out", None) or getattr(args, "head", None) or default
+    return default.parent / "features", default.parent / "answers", Path(head)
 
 
 def _setup(args: argparse.Namespace):  # noqa: ANN202 - the loaded target
@@ -105,7 +122,7 @@ def _run_extract(args: argparse.Namespace, target) -> None:  # noqa: ANN001
     from verispec.drafters.eagle.corpus import stdlib_documents
     from verispec.drafters.eagle.extract import extract_features
 
-    features_dir, _ = _paths(args)
+    features_dir, _, _ = _paths(args)
     started = time.perf_counter()
     manifest = extract_features(
         target, stdlib_documents(seed=args.corpus_seed), features_dir, _extract_settings(args),
@@ -115,11 +132,34 @@ def _run_extract(args: argparse.Namespace, target) -> None:  # noqa: ANN001
     print(f"{tokens} tokens in {len(manifest['shards'])} shards -> {features_dir} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)
 
 
+def _run_answers(args: argparse.Namespace, target) -> None:  # noqa: ANN001
+    from verispec.drafters import DraftModel, NgramDrafter
+    from verispec.drafters.eagle.corpus import coding_requests
+    from verispec.drafters.eagle.extract import ExtractSettings, record_answers
+    from verispec.models import load_model, quantize_int8
+
+    _, answers_dir, _ = _paths(args)
+    if args.answer_draft.lower() == "none":
+        drafter = NgramDrafter()
+    else:
+        draft = load_model(args.answer_draft, cache_dir=args.cache_dir)
+        quantize_int8(draft.model)
+        drafter = DraftModel(draft, name=args.answer_draft)
+    started = time.perf_counter()
+    settings = ExtractSettings(max_tokens=args.answer_tokens, max_seq_len=args.max_seq_len, shard_tokens=2048)
+    manifest = record_answers(target, drafter, coding_requests(seed=args.corpus_seed), answers_dir, settings)
+    tokens = sum(shard["tokens"] for shard in manifest["shards"])
+    print(f"{tokens} tokens of answers in {len(manifest['shards'])} shards -> {answers_dir} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)
+
+
 def _run_train(args: argparse.Namespace, target) -> None:  # noqa: ANN001
     from verispec.drafters.eagle.train import train_head
 
-    features_dir, head_path = _paths(args)
-    result = train_head(target, features_dir, head_path, _train_settings(args))
+    features_dir, answers_dir, head_path = _paths(args)
+    dirs = args.features or [path for path in (features_dir, answers_dir) if (path / "manifest.json").exists()]
+    if not dirs:
+        raise FileNotFoundError(f"no features in {features_dir} or {answers_dir}: run `verispec eagle extract` / `verispec eagle answers` first")
+    result = train_head(target, dirs, head_path, _train_settings(args))
     print(json.dumps(result, indent=1))
     print(f"head -> {head_path}", file=sys.stderr)
 
@@ -131,6 +171,13 @@ def _extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def _answers(args: argparse.Namespace) -> int:
+    if args.answer_tokens < 2:
+        raise ValueError(f"--answer-tokens must be >= 2, got {args.answer_tokens}")
+    _run_answers(args, _setup(args))
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     _train_settings(args)
     _run_train(args, _setup(args))
@@ -138,10 +185,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
+    if args.answer_tokens < 2:
+        raise ValueError(f"--answer-tokens must be >= 2, got {args.answer_tokens}")
     _extract_settings(args)
     _train_settings(args)
     target = _setup(args)
     _run_extract(args, target)
+    _run_answers(args, target)
     _run_train(args, target)
     return 0
 
@@ -157,7 +207,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.gamma < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --gamma and --max-new-tokens must be >= 1")
-    _, head_path = _paths(args)
+    _, _, head_path = _paths(args)
     target = _setup(args)
     decoder = SpeculativeDecoder(target, EagleDrafter(target, head_path, quantize=args.draft_quantize == "int8"), gamma=args.gamma)
     drafted, accepted, calls, emitted = [], [], 0, 0

@@ -66,3 +66,33 @@ def stdlib_documents(lines_per_piece: int = 60, seed: int = 0, root: Path | None
             request = f"Show me part {part} of the Python standard library module `{module}`." if index else f"Write the beginning of the Python standard library module `{module}`."
             answer = f"Here is the code:\n\n```python\n{piece}\n```"
             yield Document(f"{module}#{part}", [{"role": "user", "content": request}, {"role": "assistant", "content": answer}])
+
+
+def coding_requests(seed: int = 0, root: Path | None = None) -> Iterator[tuple[str, str]]:
+    """(name, request) pairs: "Write a Python function ..." for documented stdlib functions.
+
+    The target's own answers to these are the second half of the corpus (``verispec eagle
+    answers``): chat answers mix prose with code, which stdlib sources alone never show the head.
+    Functions named like a HumanEval entry point are skipped.
+    """
+    import ast
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = stdlib_sources(root)
+    random.Random(seed).shuffle(files)
+    banned = {entry[len("def ") : -1] for entry in humaneval_entry_points()}
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in banned:
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 40:
+                continue
+            summary = doc.strip().split("\n\n")[0].replace("\n", " ")
+            arguments = ", ".join(arg.arg for arg in node.args.args)
+            yield f"{module}.{node.name}", f"Write a Python function `{node.name}({arguments})`. {summary}"

@@ -51,6 +51,82 @@ def extract_features(
     progress: bool = True,
 ) -> dict:
     """Write shards into ``out_dir`` until ``settings.max_tokens``; return the manifest."""
+    lm = CachedLM(target.model)
+
+    def features_of(document: Document) -> tuple[list[int], torch.Tensor | None]:
+        ids = encode_chat(target.tokenizer, document.messages)[: settings.max_seq_len]
+        if len(ids) < 2:
+            return ids, None
+        try:
+            return ids, lm.extend(ids, num_logits=0).features  # [n, hidden]
+        finally:
+            lm.release()
+
+    return _build_shards(target, documents, features_of, out_dir, settings, corpus_name, progress)
+
+
+def record_answers(
+    target,  # noqa: ANN001 - a LoadedModel
+    drafter,  # noqa: ANN001 - any Drafter: only speeds the generation up, the answers are the target's
+    requests: Iterable[tuple[str, str]],
+    out_dir: str | os.PathLike,
+    settings: ExtractSettings,
+    *,
+    max_new_tokens: int = 256,
+    gamma: int = 6,
+    progress: bool = True,
+) -> dict:
+    """The target's own greedy answers to ``requests``, with the features of the passes that made them.
+
+    Generation is speculative (``drafter``), and the features come from its verification passes
+    (handed to a recording wrapper), so no extra target pass runs. The last round's features are
+    never handed over (nor those of a last round too short to draft in); those final tokens are dropped.
+    """
+    from verispec.engine import SpeculativeDecoder
+    from verispec.models.text import encode_prompt
+
+    recorder = _FeatureRecorder(drafter)
+    decoder = SpeculativeDecoder(target, recorder, gamma=gamma)
+
+    def features_of(request: tuple[str, str]) -> tuple[list[int], torch.Tensor | None]:
+        prompt = encode_prompt(target.tokenizer, request[1])
+        answer = decoder.generate(prompt, max_new_tokens).token_ids
+        if not recorder.features:
+            return [], None
+        features = torch.cat(recorder.features)[: settings.max_seq_len]  # positions 0 .. n-1
+        return (prompt + answer)[: len(features)], features
+
+    return _build_shards(target, requests, features_of, out_dir, settings, "target answers to stdlib coding requests", progress)
+
+
+class _FeatureRecorder:
+    """A drafter wrapper that keeps the target features the engine hands over, in order."""
+
+    needs_target_features = True
+
+    def __init__(self, inner) -> None:  # noqa: ANN001 - a Drafter
+        self.inner, self.name = inner, f"recording {inner.name}"
+        self.tokenizer = getattr(inner, "tokenizer", None)
+        self.features: list[torch.Tensor] = []
+
+    def start(self, prompt_ids: list[int], sampling):  # noqa: ANN001, ANN201
+        self.features = []
+        session, recorder = self.inner.start(prompt_ids, sampling), self
+
+        class Session:
+            def propose(self, context, max_tokens, generator):  # noqa: ANN001, ANN201
+                if context.target_features is not None:
+                    recorder.features.append(context.target_features)
+                return session.propose(context, max_tokens, generator)
+
+            def close(self) -> None:
+                session.close()
+
+        return Session()
+
+
+def _build_shards(target, items, features_of, out_dir, settings: ExtractSettings, corpus_name: str, progress: bool) -> dict:  # noqa: ANN001
+    """Turn items into (ids, features) with ``features_of`` and write shards until max_tokens; resumable."""
     if target.tokenizer is None:
         raise ValueError("feature extraction needs the target's tokenizer")
     out = Path(out_dir)
@@ -58,23 +134,21 @@ def extract_features(
     manifest = _open_manifest(out, target, settings, corpus_name)
     done_tokens = sum(shard["tokens"] for shard in manifest["shards"])
     skip_documents = sum(shard["documents"] for shard in manifest["shards"])
-    lm = CachedLM(target.model)
     bar = tqdm(total=settings.max_tokens, initial=min(done_tokens, settings.max_tokens), unit="tok", desc="extract", disable=not progress)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens [n], features [n, hidden]) of the shard being built
     pending_tokens = pending_documents = 0
     try:
-        for index, document in enumerate(documents):
+        for index, item in enumerate(items):
             if index < skip_documents:
                 continue
             if done_tokens >= settings.max_tokens:
                 break
-            ids = encode_chat(target.tokenizer, document.messages)[: settings.max_seq_len]
-            ids = ids[: settings.max_tokens - done_tokens]
+            ids, features = features_of(item)
             pending_documents += 1
-            if len(ids) < 2:
+            ids = ids[: settings.max_tokens - done_tokens]
+            if features is None or len(ids) < 2:
                 continue
-            features = lm.extend(ids, num_logits=0).features  # [n, hidden]
-            lm.release()
+            features = features[: len(ids)]
             pending.append((torch.tensor(ids, dtype=torch.int32), features.to(torch.bfloat16)))
             pending_tokens += len(ids)
             done_tokens += len(ids)
@@ -86,7 +160,6 @@ def extract_features(
             _write_shard(out, manifest, pending, pending_documents)
     finally:
         bar.close()
-        lm.release()
     return manifest
 
 

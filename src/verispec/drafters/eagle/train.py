@@ -97,21 +97,26 @@ class _Objective:
 
 def train_head(
     target,  # noqa: ANN001 - a LoadedModel or PreTrainedModel: its embeddings and LM head are used, frozen
-    features_dir: str | os.PathLike,
+    features_dirs: str | os.PathLike | list[str | os.PathLike],
     out_path: str | os.PathLike,
     settings: TrainSettings,
     *,
     progress: bool = True,
 ) -> dict:
-    """Train (or resume training) a head; write it to ``out_path``; return the final metrics."""
+    """Train (or resume training) a head on one or more feature directories; write it to ``out_path``."""
     from verispec.modelref import unwrap_model
 
     model, _ = unwrap_model(target, argument="target")
     out_path = Path(out_path)
-    manifest, sequences = load_shards(features_dir)
     fingerprint = target_fingerprint(model)
-    if manifest["target_fingerprint"] != fingerprint:
-        raise ValueError(f"features in {features_dir} come from another target ({manifest['target']}, fingerprint {manifest['target_fingerprint']}); this target is {fingerprint}")
+    dirs = [features_dirs] if isinstance(features_dirs, (str, os.PathLike)) else list(features_dirs)
+    sequences, corpora = [], []
+    for features_dir in dirs:
+        manifest, found = load_shards(features_dir)
+        if manifest["target_fingerprint"] != fingerprint:
+            raise ValueError(f"features in {features_dir} come from another target ({manifest['target']}, fingerprint {manifest['target_fingerprint']}); this target is {fingerprint}")
+        sequences += found
+        corpora.append(manifest.get("corpus"))
     sequences = [(tokens[: settings.max_seq_len], features[: settings.max_seq_len]) for tokens, features in sequences if len(tokens) >= 3]
     random.Random(settings.seed).shuffle(sequences)
     num_validation = max(1, int(len(sequences) * settings.validation_fraction)) if settings.validation_fraction > 0 and len(sequences) > 1 else 0
@@ -177,7 +182,7 @@ def train_head(
     result = {"steps": step, "train": metrics, "validation": evaluate(objective, validation), "training_tokens": tokens_per_epoch}
     if before is not None:
         result["validation_before"] = before
-    save_head(out_path, head, draft_vocab=draft_vocab, fingerprint=fingerprint, training={**asdict(settings), **result, "corpus": manifest.get("corpus")})
+    save_head(out_path, head, draft_vocab=draft_vocab, fingerprint=fingerprint, training={**asdict(settings), **result, "corpora": corpora})
     return result
 
 
