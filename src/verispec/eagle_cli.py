@@ -165,8 +165,7 @@ def _run_train(args: argparse.Namespace, target) -> None:  # noqa: ANN001
 
 
 def _extract(args: argparse.Namespace) -> int:
-    settings = _extract_settings(args)  # validate before loading
-    del settings
+    _extract_settings(args)  # validate before minutes of loading
     _run_extract(args, _setup(args))
     return 0
 
