@@ -197,13 +197,10 @@ def _load(args: argparse.Namespace):
 
 
 def _eagle_head_path(args: argparse.Namespace) -> Path:
-    """The EAGLE head to load, checked to exist before minutes of model loading."""
-    from verispec.drafters.eagle import default_head_path
+    """The EAGLE head to load (--eagle-head or the default), checked to exist before minutes of model loading."""
+    from verispec.drafters.eagle import existing_head_path
 
-    path = args.eagle_head or default_head_path(args.target, args.cache_dir)
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"EAGLE head {str(path)!r} not found: train one with `verispec eagle build --target {args.target}` or pass --eagle-head PATH")
-    return Path(path)
+    return existing_head_path(args.eagle_head, args.target, args.cache_dir)
 
 
 def _encode(target, text: str, raw: bool) -> list[int]:
@@ -282,17 +279,19 @@ def _costs(args: argparse.Namespace) -> int:
         raise ValueError("--tokens counts, --context and --repeats must be >= 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # An explicit --eagle-head must exist; the default head is timed only if `eagle build` made one.
+    try:
+        head_path = _eagle_head_path(args)
+    except FileNotFoundError:
+        if args.eagle_head is not None:
+            raise
+        head_path = None
     rows = {}
     target = load_model(args.target, cache_dir=args.cache_dir)
     rows["target dense"] = forward_costs(target.model, args.context, counts, args.repeats)
     if onednn_packing_available() and target.model.dtype == torch.float32:
         rows["target packed"] = forward_costs(pack_linears(target.model), args.context, counts, args.repeats)
-    head_path = args.eagle_head
-    if head_path is None:
-        from verispec.drafters.eagle import default_head_path
-
-        head_path = default_head_path(args.target, args.cache_dir)
-    if Path(head_path).is_file():
+    if head_path is not None:
         from verispec.bench.costs import eagle_costs
         from verispec.drafters.eagle import EagleDrafter
 
@@ -302,8 +301,6 @@ def _costs(args: argparse.Namespace) -> int:
             rows[f"eagle int8, {len(reduced.vocab_ids)} vocab"] = eagle_costs(EagleDrafter(target, head_path, quantize=True), args.context, counts, args.repeats)
         rows["eagle, full vocab"] = eagle_costs(EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
-    elif args.eagle_head is not None:
-        raise FileNotFoundError(f"EAGLE head {str(args.eagle_head)!r} not found")
     del target
     if args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)

@@ -87,7 +87,7 @@ def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     from verispec.drafters.eagle import default_head_path
 
     default = default_head_path(args.target, args.cache_dir)
-    head = getattr(args, "out", None) or getattr(args, "head", None) or default
+    head = getattr(args, "out", None) or default
     return default.parent / "features", default.parent / "answers", Path(head)
 
 
@@ -107,6 +107,14 @@ def _extract_settings(args: argparse.Namespace):  # noqa: ANN202
     from verispec.drafters.eagle.extract import ExtractSettings
 
     return ExtractSettings(max_tokens=args.max_tokens, max_seq_len=args.max_seq_len)
+
+
+def _answer_settings(args: argparse.Namespace):  # noqa: ANN202
+    from verispec.drafters.eagle.extract import ExtractSettings
+
+    if args.answer_tokens < 2:
+        raise ValueError(f"--answer-tokens must be >= 2, got {args.answer_tokens}")
+    return ExtractSettings(max_tokens=args.answer_tokens, max_seq_len=args.max_seq_len, shard_tokens=2048)
 
 
 def _train_settings(args: argparse.Namespace):  # noqa: ANN202
@@ -135,7 +143,7 @@ def _run_extract(args: argparse.Namespace, target) -> None:  # noqa: ANN001
 def _run_answers(args: argparse.Namespace, target) -> None:  # noqa: ANN001
     from verispec.drafters import DraftModel, NgramDrafter
     from verispec.drafters.eagle.corpus import coding_requests
-    from verispec.drafters.eagle.extract import ExtractSettings, record_answers
+    from verispec.drafters.eagle.extract import record_answers
     from verispec.models import load_model, quantize_int8
 
     _, answers_dir, _ = _paths(args)
@@ -146,8 +154,7 @@ def _run_answers(args: argparse.Namespace, target) -> None:  # noqa: ANN001
         quantize_int8(draft.model)
         drafter = DraftModel(draft, name=args.answer_draft)
     started = time.perf_counter()
-    settings = ExtractSettings(max_tokens=args.answer_tokens, max_seq_len=args.max_seq_len, shard_tokens=2048)
-    manifest = record_answers(target, drafter, coding_requests(seed=args.corpus_seed), answers_dir, settings)
+    manifest = record_answers(target, drafter, coding_requests(seed=args.corpus_seed), answers_dir, _answer_settings(args))
     tokens = sum(shard["tokens"] for shard in manifest["shards"])
     print(f"{tokens} tokens of answers in {len(manifest['shards'])} shards -> {answers_dir} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)
 
@@ -171,8 +178,7 @@ def _extract(args: argparse.Namespace) -> int:
 
 
 def _answers(args: argparse.Namespace) -> int:
-    if args.answer_tokens < 2:
-        raise ValueError(f"--answer-tokens must be >= 2, got {args.answer_tokens}")
+    _answer_settings(args)  # validate before minutes of loading
     _run_answers(args, _setup(args))
     return 0
 
@@ -184,8 +190,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    if args.answer_tokens < 2:
-        raise ValueError(f"--answer-tokens must be >= 2, got {args.answer_tokens}")
+    _answer_settings(args)
     _extract_settings(args)
     _train_settings(args)
     target = _setup(args)
@@ -206,7 +211,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.gamma < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --gamma and --max-new-tokens must be >= 1")
-    _, _, head_path = _paths(args)
+    from verispec.drafters.eagle import existing_head_path
+
+    head_path = existing_head_path(args.head, args.target, args.cache_dir)
     target = _setup(args)
     decoder = SpeculativeDecoder(target, EagleDrafter(target, head_path, quantize=args.draft_quantize == "int8"), gamma=args.gamma)
     drafted, accepted, calls, emitted = [], [], 0, 0

@@ -4,7 +4,7 @@
 one target), and the training pipeline: ``corpus`` -> ``extract`` (target features) -> ``train``.
 """
 
-from verispec.drafters.eagle.checkpoint import EagleHeadMismatchError, default_head_path, load_head, save_head, target_fingerprint
+from verispec.drafters.eagle.checkpoint import EagleHeadMismatchError, default_head_path, existing_head_path, load_head, save_head, target_fingerprint
 from verispec.drafters.eagle.drafter import EagleDrafter
 from verispec.drafters.eagle.head import EagleConfig, EagleHead
 
@@ -14,6 +14,7 @@ __all__ = [
     "EagleHead",
     "EagleHeadMismatchError",
     "default_head_path",
+    "existing_head_path",
     "load_head",
     "save_head",
     "target_fingerprint",

@@ -34,6 +34,17 @@ def default_head_path(target_name: str, cache_dir: str | os.PathLike | None = No
     return Path(cache_dir or default_cache_dir()) / "eagle" / safe / "head.safetensors"
 
 
+def existing_head_path(path: str | os.PathLike | None, target_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """``path``, or the default head of ``target_name``; FileNotFoundError saying how to make one if absent.
+
+    Called before the target is loaded, so a missing head costs no minutes of loading.
+    """
+    head = Path(path) if path is not None else default_head_path(target_name, cache_dir)
+    if not head.is_file():
+        raise FileNotFoundError(f"EAGLE head {str(head)!r} not found: train one with `verispec eagle build --target {target_name}` or pass its path")
+    return head
+
+
 def target_fingerprint(target: PreTrainedModel) -> str:
     """A short hash of what the head depends on: shapes, and the target's embedding/LM-head rows.
 

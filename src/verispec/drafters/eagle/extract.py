@@ -176,7 +176,7 @@ def _open_manifest(out: Path, target, settings: ExtractSettings, corpus_name: st
         manifest = json.loads(path.read_text())
         for key, value in identity.items():
             if manifest.get(key) != value:
-                raise ValueError(f"{out} holds features with {key}={manifest.get(key)!r}, this run has {value!r}: use another --out")
+                raise ValueError(f"{out} holds features with {key}={manifest.get(key)!r}, this run has {value!r}: move that directory away or use another --cache-dir")
         return manifest
     manifest = {**identity, "shards": []}
     _save_manifest(out, manifest)
@@ -212,7 +212,7 @@ def load_shards(features_dir: str | os.PathLike) -> tuple[dict, list[tuple[torch
     features_dir = Path(features_dir)
     path = features_dir / MANIFEST
     if not path.exists():
-        raise FileNotFoundError(f"no {MANIFEST} in {str(features_dir)!r}: run `verispec eagle extract --out {features_dir}` first")
+        raise FileNotFoundError(f"no {MANIFEST} in {str(features_dir)!r}: run `verispec eagle extract` or `verispec eagle answers` first")
     manifest = json.loads(path.read_text())
     sequences = []
     for shard in manifest["shards"]:
