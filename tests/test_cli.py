@@ -97,7 +97,7 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     common = ["--target", tiny_gguf, "--cache-dir", str(tmp_path)]
     assert main(["eagle", "extract", *common, "--max-tokens", "600", "--max-seq-len", "200"]) == 0
     assert "600 tokens" in capsys.readouterr().err
-    assert main(["eagle", "answers", *common, "--answer-tokens", "60", "--answer-draft", "none", "--max-seq-len", "200"]) == 0
+    assert main(["eagle", "answers", *common, "--answer-tokens", "60", "--answer-batch", "2", "--answer-max-new-tokens", "8", "--max-seq-len", "200"]) == 0
     assert "60 tokens of answers" in capsys.readouterr().err
     train = ["--epochs", "1", "--tokens-per-step", "200", "--intermediate-size", "16", "--draft-vocab", "50"]
     assert main(["eagle", "train", *common, *train]) == 0
@@ -117,3 +117,9 @@ def test_eagle_drafter_without_a_head_is_a_clear_error(tiny_gguf, tmp_path, caps
     assert main(["generate", "--target", tiny_gguf, "--drafter", "eagle", "--eagle-head", str(tmp_path / "none.safetensors"), "x"]) == 2
     err = capsys.readouterr().err
     assert "EAGLE head" in err and "verispec eagle build" in err and "Traceback" not in err
+
+
+def test_eagle_threads_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["eagle", "train", "--threads", "0"])
+    assert "--threads: must be >= 1" in capsys.readouterr().err

@@ -206,22 +206,29 @@ def test_extract_is_resumable_and_refuses_another_target(target, tmp_path):
 
 
 def test_recorded_answers_are_the_targets_own_with_their_features(target, tmp_path):
-    from verispec.drafters import NgramDrafter
     from verispec.drafters.eagle.extract import record_answers
 
     loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
-    requests = [("a", "w1 w2 w3 w1 w2 w3"), ("b", "w7 w8 w9 w7 w8")]
-    manifest = record_answers(loaded, NgramDrafter(), requests, tmp_path, ExtractSettings(max_tokens=10_000), max_new_tokens=20, gamma=3, progress=False)
-    assert [s["documents"] for s in manifest["shards"]] == [2]
+    # Prompts of different lengths share a batch (left padding); three requests in batches of two.
+    requests = [("a", "w1 w2 w3 w1 w2 w3"), ("b", "w7 w8"), ("c", "w4 w5 w6 w4")]
+    first = record_answers(loaded, requests[:2], tmp_path, ExtractSettings(max_tokens=10_000), batch_size=2, max_new_tokens=12, progress=False)
+    shard0 = (tmp_path / first["shards"][0]["file"]).read_bytes()
+    # Resuming counts finished batches: the first batch is not answered again.
+    manifest = record_answers(loaded, requests, tmp_path, ExtractSettings(max_tokens=10_000), batch_size=2, max_new_tokens=12, progress=False)
+    assert [s["documents"] for s in manifest["shards"]] == [1, 1]
+    assert (tmp_path / manifest["shards"][0]["file"]).read_bytes() == shard0
     _, sequences = load_shards(tmp_path)
+    assert len(sequences) == 3
     for (tokens, features), (_, text) in zip(sequences, requests):
         prompt = words_tokenizer()(text)["input_ids"]
-        answer = SpeculativeDecoder(target).generate(prompt, 20).token_ids
-        # The last rounds hand no features to a drafter (nothing left to draft): a few tokens are dropped.
-        assert tokens.tolist() == (prompt + answer)[: len(tokens)] and len(tokens) >= len(prompt) + 20 - 2 * 4
+        answer = SpeculativeDecoder(target).generate(prompt, 12).token_ids
+        # The last token is never fed to the target, so it has no feature and is not stored.
+        assert tokens.tolist() == (prompt + answer)[:-1]
         with torch.no_grad():
             expected = target.model(tokens[None]).last_hidden_state[0]
         torch.testing.assert_close(features.float(), expected, atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError, match="corpus"):  # another batch size would shift what "finished" means
+        record_answers(loaded, requests, tmp_path, ExtractSettings(max_tokens=10_000), batch_size=3, max_new_tokens=12, progress=False)
 
 
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path):
@@ -238,6 +245,10 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_pa
     again = train_head(target, tmp_path / "features", tmp_path / "head.safetensors", settings, progress=False)
     assert again["steps"] == result["steps"]
     assert again["validation"] == pytest.approx(result["validation"])
+    # More features appear: resuming would continue at a position that now means other data.
+    extract_features(loaded, documents(60), tmp_path / "features", ExtractSettings(max_tokens=2400), progress=False)
+    with pytest.raises(ValueError, match="other features"):
+        train_head(target, tmp_path / "features", tmp_path / "head.safetensors", settings, progress=False)
     head, _ = load_head(tmp_path / "head.safetensors", target)
     with safe_open(str(tmp_path / "head.safetensors"), "pt") as handle:
         metadata_training = json.loads(handle.metadata()["training"])

@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, compare, bench, fetch."""
+"""The `verispec` command line: generate, compare, bench, fetch, serve, loadtest."""
 
 from __future__ import annotations
 
@@ -44,13 +44,18 @@ def _check_decoding_options(args: argparse.Namespace, max_new_tokens: int):  # n
     """Validate the options generate/compare/bench share, before minutes of model loading."""
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    _check_model_options(args)
+    return _sampling(args)
+
+
+def _check_model_options(args: argparse.Namespace) -> None:
+    """Validate how the models run (every command that loads them, serve included)."""
     if args.gamma < 1:
         raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.draft_confidence is not None and not 0.0 <= args.draft_confidence < 1.0:
         raise ValueError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
-    return _sampling(args)
 
 
 def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: ANN001 - LoadedModels
@@ -72,17 +77,10 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def model_options(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
-        sub.add_argument("--drafter", choices=["draft-model", "ngram", "eagle", "none"], default="draft-model", help="how drafts are made: a small draft model (default), prompt lookup (ngram), an EAGLE head (eagle, see --eagle-head), or none (plain decoding)")
-        sub.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for --drafter eagle (default <cache>/eagle/<target>/head.safetensors, made by `verispec eagle build`)")
-        sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
-        sub.add_argument("--gamma", type=int, default=4, help="draft tokens per target call (default 4)")
+        _add_loading_options(sub)
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
         _add_sampling_options(sub)
         sub.add_argument("--raw", action="store_true", help="do not apply the chat template")
-        sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-        sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
-        _add_kernel_options(sub)
 
     generate = commands.add_parser("generate", help="generate text with speculative decoding, streamed as tokens are accepted")
     model_options(generate)
@@ -102,6 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--cache-dir", type=Path, default=None)
     fetch.set_defaults(handler=_fetch)
     _add_bench_parser(commands)
+    _add_serve_parsers(commands)
 
     from verispec.eagle_cli import add_eagle_parser
 
@@ -118,6 +117,43 @@ def _build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="also time this EAGLE head's steps, over its draft vocabulary and the full one (default: the head `verispec eagle build` made, if any)")
     costs.set_defaults(handler=_costs)
     return parser
+
+
+def _add_loading_options(sub: argparse.ArgumentParser) -> None:
+    """Which target and drafter, and how they run: every command that decodes with a drafter."""
+    from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
+    sub.add_argument("--drafter", choices=["draft-model", "ngram", "eagle", "none"], default="draft-model", help="how drafts are made: a small draft model (default), prompt lookup (ngram), an EAGLE head (eagle, see --eagle-head), or none (plain decoding)")
+    sub.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for --drafter eagle (default <cache>/eagle/<target>/head.safetensors, made by `verispec eagle build`)")
+    sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
+    sub.add_argument("--gamma", type=int, default=4, help="draft tokens per target call (default 4)")
+    sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
+    _add_kernel_options(sub)
+
+
+def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server batching concurrent requests through speculative decoding")
+    _add_loading_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    serve.add_argument("--model-id", default=None, help="the model name clients pass (default: --target as given)")
+    serve.add_argument("--max-batch", type=int, default=32, help="requests decoded together; more wait (default 32)")
+    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
+    serve.add_argument("--gamma-full-batch", type=int, default=4, help="batches up to this size draft the full --gamma (default 4)")
+    serve.add_argument("--gamma-off-batch", type=int, default=16, help="batches of this size or more decode plainly, gamma 0 (default 16); gamma tapers in between")
+    serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
+    serve.set_defaults(handler=_serve)
+
+    loadtest = commands.add_parser("loadtest", help="concurrent streamed chat requests against a running server: throughput and latency per concurrency")
+    loadtest.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    loadtest.add_argument("--concurrency", default="1,4,8,16,32", help="comma list of concurrent clients (default 1,4,8,16,32)")
+    loadtest.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
+    loadtest.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn (default 2)")
+    loadtest.add_argument("--api-key", default=None)
+    loadtest.set_defaults(handler=_loadtest)
 
 
 def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
@@ -168,13 +204,22 @@ def _sampling(args: argparse.Namespace):
 
 def _load(args: argparse.Namespace):
     """Load target (and draft) and build plain and speculative decoders."""
+    from verispec.engine import SpeculativeDecoder
+
+    sampling = _check_decoding_options(args, args.max_new_tokens)  # before minutes of loading
+    target, drafter = _load_target_and_drafter(args)
+    plain = SpeculativeDecoder(target)
+    speculative = SpeculativeDecoder(target, drafter, gamma=args.gamma) if drafter is not None else plain
+    return target, plain, speculative, sampling
+
+
+def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (LoadedModel, Drafter | None)
+    """Load the target and build the drafter the options ask for (options checked already)."""
     import torch
 
     from verispec.drafters import DraftModel, NgramDrafter
-    from verispec.engine import SpeculativeDecoder
     from verispec.models import load_model
 
-    sampling = _check_decoding_options(args, args.max_new_tokens)  # before minutes of loading
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     eagle_head = _eagle_head_path(args) if args.drafter == "eagle" else None
@@ -191,9 +236,7 @@ def _load(args: argparse.Namespace):
     else:
         drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence) if draft is not None else None
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-    plain = SpeculativeDecoder(target)
-    speculative = SpeculativeDecoder(target, drafter, gamma=args.gamma) if drafter is not None else plain
-    return target, plain, speculative, sampling
+    return target, drafter
 
 
 def _eagle_head_path(args: argparse.Namespace) -> Path:
@@ -228,6 +271,54 @@ def _generate(args: argparse.Namespace) -> int:
             printed = text
     print()
     print(step.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from verispec.serving import BatchGammaPolicy, SchedulerConfig, ServeConfig, create_app
+
+    # Everything cheap first: a bad option must not cost minutes of model loading.
+    _check_model_options(args)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
+    policy = BatchGammaPolicy(full_until=args.gamma_full_batch, off_from=args.gamma_off_batch)
+    scheduler = SchedulerConfig(gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy)
+    config = ServeConfig(model_id=args.model_id or args.target, api_key=args.api_key, default_max_tokens=args.default_max_tokens, scheduler=scheduler)
+    target, drafter = _load_target_and_drafter(args)
+    app = create_app(config, target, drafter)
+    print(f"serving {config.model_id!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from verispec.bench.prompts import humaneval_prompts
+    from verispec.serving.loadtest import format_table, run_level, served_model
+
+    try:
+        levels = [int(part) for part in args.concurrency.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
+    if not levels or min(levels) < 1 or args.max_tokens < 1 or args.requests_per_client < 1:
+        raise ValueError("--concurrency levels, --max-tokens and --requests-per-client must be >= 1")
+    prompts = [p.text for p in humaneval_prompts()]
+
+    async def run() -> list:
+        model = await served_model(args.url, args.api_key)
+        results = []
+        for level in levels:
+            result = await run_level(args.url, model, prompts, level, args.max_tokens, args.requests_per_client, args.api_key)
+            print(f"concurrency {level}: {result.tokens_per_s:.2f} tok/s", file=sys.stderr)
+            results.append(result)
+        return results
+
+    print(format_table(asyncio.run(run())))
     return 0
 
 

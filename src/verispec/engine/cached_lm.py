@@ -22,7 +22,7 @@ class ForwardOutput:
 
 
 @functools.cache
-def _cache_argument_name(body_class: type) -> str:
+def cache_argument_name(body_class: type) -> str:
     # transformers >= 5.2x renamed the forward argument past_key_values to cache.
     return "cache" if "cache" in inspect.signature(body_class.forward).parameters else "past_key_values"
 
@@ -41,7 +41,7 @@ class CachedLM:
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._logit_scale = getattr(config, "logit_scale", None)
         self.device = next(model.parameters()).device
-        self._cache_kwarg = _cache_argument_name(type(self.body))
+        self._cache_kwarg = cache_argument_name(type(self.body))
         self.cache = DynamicCache(config=model.config)
         self.token_ids: list[int] = []
 
@@ -67,10 +67,11 @@ class CachedLM:
         out = self.body(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: self.cache})
         self.token_ids.extend(new_ids)
         features = out.last_hidden_state[0]  # [num_fed, hidden]
-        logits = self._logits(features[len(new_ids) - num_logits :]) if num_logits else features.new_empty(0, self.vocab_size)
+        logits = self.logits(features[len(new_ids) - num_logits :]) if num_logits else features.new_empty(0, self.vocab_size)
         return ForwardOutput(logits=logits, features=features)
 
-    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """LM-head logits (float32, scaled / soft-capped as the model defines) of top-layer features [n, hidden]."""
         logits = self.lm_head(features).float()
         if self._logit_scale is not None:  # Cohere-style scaled heads
             logits = logits * self._logit_scale

@@ -117,7 +117,7 @@ class SpeculativeDecoder:
         stop: Sequence[int | str] | None = None,
     ) -> Iterator[StepResult]:
         """Yield one :class:`StepResult` per target call, as soon as its tokens are accepted."""
-        prompt = _validate_prompt(input_ids, self.target.get_output_embeddings().out_features)
+        prompt = validate_prompt(input_ids, self.target.get_output_embeddings().out_features)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = sampling if sampling is not None else SamplingParams()
@@ -153,15 +153,15 @@ class SpeculativeDecoder:
                 num_draft = min(wanted, budget - 1)  # never draft what we could not emit
                 proposal, draft_elapsed = _NO_DRAFT, 0.0
                 if session is not None and num_draft > 0:
-                    context = _draft_context(tokens, unseen_features, len(target))
+                    context = draft_context(tokens, unseen_features, len(target))
                     with _timed(stats, "draft_s") as draft_clock:
                         proposal = session.propose(context, num_draft, generator)
                     draft_elapsed = draft_clock.elapsed
-                    proposal = _checked(proposal, num_draft, target.vocab_size, self.drafter.name)
+                    proposal = checked_proposal(proposal, num_draft, target.vocab_size, self.drafter.name)
                 with _timed(stats, "verify_s") as verify_clock:
                     drafts = proposal.tokens
                     forward = target.extend([tokens[-1]] + drafts, num_logits=len(drafts) + 1)
-                    output, num_accepted = _verify(drafts, proposal.probs, forward.logits, sampling, generator)
+                    output, num_accepted = verify_drafts(drafts, proposal.probs, forward.logits, sampling, generator)
                     # Keep the cache at committed-minus-last: drop the rejected drafts' keys/values.
                     target.crop(len(tokens) + num_accepted)
                     if wants_features:
@@ -186,7 +186,7 @@ class SpeculativeDecoder:
             target.release()
 
 
-def _draft_context(tokens: list[int], unseen_features: list[torch.Tensor], target_length: int) -> DraftContext:
+def draft_context(tokens: list[int], unseen_features: list[torch.Tensor], target_length: int) -> DraftContext:
     """Hand the drafter the committed tokens and the features it has not seen (then forget them)."""
     if not unseen_features:
         return DraftContext(tokens)
@@ -195,7 +195,7 @@ def _draft_context(tokens: list[int], unseen_features: list[torch.Tensor], targe
     return DraftContext(tokens, features, target_length - len(features))
 
 
-def _verify(
+def verify_drafts(
     draft_tokens: list[int],
     draft_probs: torch.Tensor | None,  # [k, vocab_draft] or None
     target_logits: torch.Tensor,  # [k+1, vocab]
@@ -215,7 +215,7 @@ def _verify(
     return output[0, : accepted + 1].tolist(), accepted
 
 
-def _checked(proposal: Proposal, max_tokens: int, vocab_size: int, drafter_name: str) -> Proposal:
+def checked_proposal(proposal: Proposal, max_tokens: int, vocab_size: int, drafter_name: str) -> Proposal:
     """Refuse oversized proposals; cut one at the first token the target's vocabulary lacks.
 
     Cutting is exact: the verifier then samples that position from p_target itself.
@@ -242,7 +242,7 @@ def _match_vocab(draft_probs: torch.Tensor, vocab: int) -> torch.Tensor:
     return draft_probs[..., :vocab]
 
 
-def _validate_prompt(input_ids: Sequence[int], vocab_size: int) -> list[int]:
+def validate_prompt(input_ids: Sequence[int], vocab_size: int) -> list[int]:
     if isinstance(input_ids, torch.Tensor):
         input_ids = input_ids.reshape(-1).tolist()
     prompt = list(input_ids)

@@ -86,10 +86,15 @@ def encode_prompt(
     return _ids(tokenizer, text)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Token ids of a whole conversation (answers included), as the model sees it in chat."""
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *, add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of a whole conversation (answers included), as the model sees it in chat.
+
+    ``add_generation_prompt``: end with the template's opening of the assistant's reply (what a
+    chat server continues from).
+    """
     if tokenizer.chat_template:
-        return _ids(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False))
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return _ids(tokenizer, rendered)
     return _ids(tokenizer, "\n\n".join(message["content"] for message in messages))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +53,12 @@ def extract_features(
     """Write shards into ``out_dir`` until ``settings.max_tokens``; return the manifest."""
     lm = CachedLM(target.model)
 
-    def features_of(document: Document) -> tuple[list[int], torch.Tensor | None]:
+    def features_of(document: Document) -> list[tuple[list[int], torch.Tensor | None]]:
         ids = encode_chat(target.tokenizer, document.messages)[: settings.max_seq_len]
         if len(ids) < 2:
-            return ids, None
+            return [(ids, None)]
         try:
-            return ids, lm.extend(ids, num_logits=0).features  # [n, hidden]
+            return [(ids, lm.extend(ids, num_logits=0).features)]  # [n, hidden]
         finally:
             lm.release()
 
@@ -67,66 +67,61 @@ def extract_features(
 
 def record_answers(
     target,  # noqa: ANN001 - a LoadedModel
-    drafter,  # noqa: ANN001 - any Drafter: only speeds the generation up, the answers are the target's
     requests: Iterable[tuple[str, str]],
     out_dir: str | os.PathLike,
     settings: ExtractSettings,
     *,
+    batch_size: int = 32,
     max_new_tokens: int = 256,
-    gamma: int = 6,
+    corpus_name: str = "custom requests",
     progress: bool = True,
 ) -> dict:
-    """The target's own greedy answers to ``requests``, with the features of the passes that made them.
+    """The target's own greedy answers to ``requests`` (name, text), with their features.
 
-    Generation is speculative (``drafter``), and the features come from its verification passes
-    (handed to a recording wrapper), so no extra target pass runs. The last round's features are
-    never handed over (nor those of a last round too short to draft in); those final tokens are dropped.
+    Requests are answered ``batch_size`` at a time (:func:`greedy_answers`); the features are
+    recorded as the answers are written, so no second pass runs. The batch size is part of the
+    corpus identity: resuming counts finished batches.
     """
-    from verispec.engine import SpeculativeDecoder
+    from verispec.drafters.eagle.answers import greedy_answers
     from verispec.models.text import encode_prompt
 
-    recorder = _FeatureRecorder(drafter)
-    decoder = SpeculativeDecoder(target, recorder, gamma=gamma)
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size} and {max_new_tokens}")
+    tokenizer, model = target.tokenizer, target.model
+    stop_ids = {tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))} - {None}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
+    steps = tqdm(total=max_new_tokens, unit="step", desc="batch", leave=False, disable=not progress)
 
-    def features_of(request: tuple[str, str]) -> tuple[list[int], torch.Tensor | None]:
-        prompt = encode_prompt(target.tokenizer, request[1])
-        answer = decoder.generate(prompt, max_new_tokens).token_ids
-        if not recorder.features:
-            return [], None
-        features = torch.cat(recorder.features)[: settings.max_seq_len]  # positions 0 .. n-1
-        return (prompt + answer)[: len(features)], features
+    def features_of(batch: list[tuple[str, str]]) -> list[tuple[list[int], torch.Tensor | None]]:
+        prompts = [encode_prompt(tokenizer, text)[: settings.max_seq_len - 1] for _, text in batch]
+        steps.reset()
+        answers = greedy_answers(model, prompts, max_new_tokens, stop_ids, pad_id, on_step=lambda done: steps.update(done - steps.n))
+        return [(ids[: settings.max_seq_len], features[: settings.max_seq_len]) for ids, features in answers]
 
-    return _build_shards(target, requests, features_of, out_dir, settings, "target answers to stdlib coding requests", progress)
+    name = f"target greedy answers to {corpus_name} (batches of {batch_size}, up to {max_new_tokens} new tokens)"
+    try:
+        return _build_shards(target, _batches(requests, batch_size), features_of, out_dir, settings, name, progress)
+    finally:
+        steps.close()
 
 
-class _FeatureRecorder:
-    """A drafter wrapper that keeps the target features the engine hands over, in order."""
+def _batches(items: Iterable, size: int) -> Iterator[list]:
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
-    needs_target_features = True
 
-    def __init__(self, inner) -> None:  # noqa: ANN001 - a Drafter
-        self.inner, self.name = inner, f"recording {inner.name}"
-        self.tokenizer = getattr(inner, "tokenizer", None)
-        self.features: list[torch.Tensor] = []
-
-    def start(self, prompt_ids: list[int], sampling):  # noqa: ANN001, ANN201
-        self.features = []
-        session, recorder = self.inner.start(prompt_ids, sampling), self
-
-        class Session:
-            def propose(self, context, max_tokens, generator):  # noqa: ANN001, ANN201
-                if context.target_features is not None:
-                    recorder.features.append(context.target_features)
-                return session.propose(context, max_tokens, generator)
-
-            def close(self) -> None:
-                session.close()
-
-        return Session()
+def _as_list(value) -> list:  # noqa: ANN001
+    return [] if value is None else list(value) if isinstance(value, (list, tuple, set)) else [value]
 
 
 def _build_shards(target, items, features_of, out_dir, settings: ExtractSettings, corpus_name: str, progress: bool) -> dict:  # noqa: ANN001
-    """Turn items into (ids, features) with ``features_of`` and write shards until max_tokens; resumable."""
+    """Turn each item into (ids, features) sequences with ``features_of`` and write shards until max_tokens; resumable."""
     if target.tokenizer is None:
         raise ValueError("feature extraction needs the target's tokenizer")
     out = Path(out_dir)
@@ -143,16 +138,16 @@ def _build_shards(target, items, features_of, out_dir, settings: ExtractSettings
                 continue
             if done_tokens >= settings.max_tokens:
                 break
-            ids, features = features_of(item)
             pending_documents += 1
-            ids = ids[: settings.max_tokens - done_tokens]
-            if features is None or len(ids) < 2:
-                continue
-            features = features[: len(ids)]
-            pending.append((torch.tensor(ids, dtype=torch.int32), features.to(torch.bfloat16)))
-            pending_tokens += len(ids)
-            done_tokens += len(ids)
-            bar.update(len(ids))
+            for ids, features in features_of(item):
+                ids = ids[: settings.max_tokens - done_tokens]
+                if features is None or len(ids) < 2:
+                    continue
+                features = features[: len(ids)]
+                pending.append((torch.tensor(ids, dtype=torch.int32), features.to(torch.bfloat16)))
+                pending_tokens += len(ids)
+                done_tokens += len(ids)
+                bar.update(len(ids))
             if pending_tokens >= settings.shard_tokens:
                 _write_shard(out, manifest, pending, pending_documents)
                 pending, pending_tokens, pending_documents = [], 0, 0

@@ -116,7 +116,7 @@ def train_head(
         if manifest["target_fingerprint"] != fingerprint:
             raise ValueError(f"features in {features_dir} come from another target ({manifest['target']}, fingerprint {manifest['target_fingerprint']}); this target is {fingerprint}")
         sequences += found
-        corpora.append(manifest.get("corpus"))
+        corpora.append({"corpus": manifest.get("corpus"), "sequences": len(found), "tokens": sum(len(tokens) for tokens, _ in found)})
     sequences = [(tokens[: settings.max_seq_len], features[: settings.max_seq_len]) for tokens, features in sequences if len(tokens) >= 3]
     random.Random(settings.seed).shuffle(sequences)
     num_validation = max(1, int(len(sequences) * settings.validation_fraction)) if settings.validation_fraction > 0 and len(sequences) > 1 else 0
@@ -142,6 +142,9 @@ def train_head(
         state = torch.load(checkpoint_path, weights_only=False)
         if state["settings"] != asdict(settings) or state["fingerprint"] != fingerprint:
             raise ValueError(f"{checkpoint_path} is from a run with other settings or another target: delete it or choose another --out")
+        # Resuming over other data would continue at a position that means something else.
+        if state.get("corpora") != corpora:
+            raise ValueError(f"{checkpoint_path} was trained on other features ({state.get('corpora')}), these are {corpora}: delete it or choose another --out")
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -175,7 +178,7 @@ def train_head(
             bar.set_postfix(loss=f"{metrics['regression'] + settings.ce_weight * metrics['classification']:.3f}", top1=f"{metrics['top1']:.2f}")
             bar.update(1)
             if step % settings.checkpoint_every == 0 or step == total_steps:
-                _save_checkpoint(checkpoint_path, head, optimizer, schedule, generator, step, position, settings, fingerprint)
+                _save_checkpoint(checkpoint_path, head, optimizer, schedule, generator, step, position, settings, fingerprint, corpora)
     finally:
         bar.close()
     head.eval()
@@ -222,7 +225,7 @@ def _epoch_order(count: int, seed: int):  # noqa: ANN202 - epoch -> permutation
     return order
 
 
-def _save_checkpoint(path: Path, head, optimizer, schedule, generator, step, position, settings, fingerprint) -> None:  # noqa: ANN001
+def _save_checkpoint(path: Path, head, optimizer, schedule, generator, step, position, settings, fingerprint, corpora) -> None:  # noqa: ANN001
     state = {
         "head": head.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -232,6 +235,7 @@ def _save_checkpoint(path: Path, head, optimizer, schedule, generator, step, pos
         "position": position,
         "settings": asdict(settings),
         "fingerprint": fingerprint,
+        "corpora": corpora,
     }
     partial = path.with_name(path.name + ".partial")
     torch.save(state, partial)

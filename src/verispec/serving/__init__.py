@@ -1,0 +1,22 @@
+"""An OpenAI-compatible HTTP server batching many requests through speculative decoding.
+
+    from verispec.serving import ServeConfig, create_app
+    app = create_app(ServeConfig(model_id="my-model"), load_model("my-model"), drafter)  # any ASGI server runs it
+"""
+
+from verispec.serving.app import ServeConfig, create_app
+from verispec.serving.batch_cache import BatchedTarget, CompactionPolicy
+from verispec.serving.gamma_policy import BatchGammaPolicy
+from verispec.serving.scheduler import GenerationRequest, QueueFullError, Scheduler, SchedulerConfig
+
+__all__ = [
+    "BatchGammaPolicy",
+    "BatchedTarget",
+    "CompactionPolicy",
+    "GenerationRequest",
+    "QueueFullError",
+    "Scheduler",
+    "SchedulerConfig",
+    "ServeConfig",
+    "create_app",
+]

@@ -1,0 +1,43 @@
+"""How many drafts each request gets per round, given how many requests share the round.
+
+One verification pass scores sum_i (k_i + 1) rows. While the batch is small the pass is
+memory-bound (the weights are read once whatever the rows), so extra draft rows are nearly free
+and speculation pays as it does for one request. As the batch grows the pass becomes
+compute-bound: every draft row then costs about as much as a plain decoding row, and rejected
+drafts are pure loss, so a busy server must draft less, and from some batch size not at all.
+The defaults are a conservative guess for small CPU models (full gamma up to 4 requests, off
+from 16), not a measurement; `verispec loadtest` against servers started with different
+``--gamma-off-batch`` values is how to place them on a given machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchGammaPolicy:
+    """gamma as a function of the running batch size.
+
+    full_until: batches of up to this many requests draft the full gamma.
+    off_from: batches of this many requests or more decode plainly (gamma 0).
+    In between gamma falls linearly from the full value towards 1.
+    """
+
+    full_until: int = 4
+    off_from: int = 16
+
+    def __post_init__(self) -> None:
+        if self.full_until < 1:
+            raise ValueError(f"full_until must be >= 1, got {self.full_until!r}")
+        if self.off_from <= self.full_until:
+            raise ValueError(f"off_from must be > full_until ({self.full_until}), got {self.off_from!r}")
+
+    def gamma_for(self, batch_size: int, gamma: int) -> int:
+        """Drafts per request for a round of ``batch_size`` requests, at most ``gamma``."""
+        if batch_size >= self.off_from:
+            return 0
+        if batch_size <= self.full_until:
+            return gamma
+        remaining = (self.off_from - batch_size) / (self.off_from - self.full_until)  # in (0, 1)
+        return max(1, round(gamma * remaining))

@@ -1,0 +1,33 @@
+"""Prometheus metrics of one server: each app gets its own registry (tests build several apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; CPU models answer in tens of milliseconds to several seconds per token.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """Every metric the server exposes on ``/metrics``, registered in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("verispec_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("verispec_prompt_tokens", "Prompt tokens of admitted generation requests", registry=r)
+        self.generated_tokens = Counter("verispec_generated_tokens", "Tokens generated (streamed to clients or not)", registry=r)
+        self.time_to_first_token = Histogram("verispec_time_to_first_token_seconds", "From request arrival to its first generated token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_per_token = Histogram("verispec_time_per_output_token_seconds", "Time between a request's emissions divided by the tokens emitted, per token after the first", buckets=_LATENCY_BUCKETS, registry=r)
+        self.drafts = Counter("verispec_drafts", "Per-request rounds that verified at least one draft token", registry=r)
+        self.draft_tokens = Counter("verispec_draft_tokens", "Draft tokens proposed and verified", registry=r)
+        self.accepted_tokens = Counter("verispec_accepted_tokens", "Draft tokens accepted by verification", registry=r)
+        self.accepted_by_position = Counter("verispec_accepted_tokens_by_position", "Accepted draft tokens by their position in the draft (0 = first)", ["position"], registry=r)
+        self.gamma = Gauge("verispec_gamma", "Drafts per request in the latest round (after the batch-size policy)", registry=r)
+        self.queue_length = Gauge("verispec_queue_length", "Requests waiting to join the running batch", registry=r)
+        self.running = Gauge("verispec_running_batch_size", "Requests in the running batch", registry=r)
+        self.target_calls = Counter("verispec_target_calls", "Batched target verification passes", registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

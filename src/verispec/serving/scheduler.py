@@ -1,0 +1,350 @@
+"""Continuous batching of speculative decoding: one thread owns the target; requests share its passes.
+
+The asyncio side only calls :meth:`Scheduler.submit` (and :meth:`GenerationRequest.cancel`) and
+reads the events a request's ``sink`` receives. The scheduler thread loops over rounds:
+
+1. admit waiting requests up to ``max_batch`` (each prefilled alone, then merged into the batch
+   cache) and drop cancelled ones, closing their drafter sessions;
+2. every running request drafts its own proposal: its own drafter session, its own seeded
+   ``torch.Generator``, gamma from :class:`~verispec.serving.gamma_policy.BatchGammaPolicy`;
+3. ONE target forward over all running requests (:class:`~verispec.serving.batch_cache.BatchedTarget`);
+4. each request verifies its rows with the single-sequence engine's own functions
+   (:func:`~verispec.engine.decoder.verify_drafts`: ``greedy_verify`` / ``rejection_sample``), so
+   the math is exactly the engine's; stop conditions cut; the accepted tokens are sent at once;
+5. finished, failed and cancelled requests leave the batch.
+
+A request that raises (its drafter, its stop condition, its sink) fails alone; only an error in
+the shared forward pass fails every request of that round, since it cannot be attributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from verispec.drafters.base import Drafter, DraftSession, Proposal
+from verispec.engine.decoder import StepResult, checked_proposal, draft_context, validate_prompt, verify_drafts
+from verispec.engine.stats import GenerationStats
+from verispec.engine.stopping import StopCondition
+from verispec.sampling import SamplingParams
+from verispec.serving.batch_cache import BatchedTarget, CompactionPolicy
+from verispec.serving.gamma_policy import BatchGammaPolicy
+from verispec.serving.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+_NO_DRAFT = Proposal(tokens=[], probs=None)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_queue`` requests already."""
+
+
+class SchedulerClosedError(RuntimeError):
+    """The scheduler is stopping and takes no more requests."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    gamma: int = 4  # drafts per request per round when the batch is small
+    max_batch: int = 32  # requests running together; more wait in the queue
+    max_queue: int = 64  # waiting requests; beyond this submit() raises QueueFullError
+    gamma_policy: BatchGammaPolicy = field(default_factory=BatchGammaPolicy)
+    compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "max_batch", "max_queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class RequestFailed:
+    """The last event of a request that raised: the message is safe to show the client."""
+
+    message: str
+
+
+RequestEvent = StepResult | RequestFailed
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """One generation as the scheduler runs it; ``sink`` is called from the scheduler thread."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[int | str]  # stop token ids and strings (EOS included by the caller)
+    sink: Callable[[RequestEvent], None]  # must not block: it runs between the batch's rounds
+    arrived: float = field(default_factory=time.perf_counter)
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def cancel(self) -> None:
+        """Stop generating (a disconnected client); the row is dropped before the next round."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass(eq=False)
+class _Row:
+    """A running request: everything the single-sequence loop keeps in local variables."""
+
+    request: GenerationRequest
+    tokens: list[int]  # committed sequence: prompt + emitted tokens
+    stopper: StopCondition
+    generator: torch.Generator
+    session: DraftSession | None
+    stats: GenerationStats
+    unseen_features: list[torch.Tensor] = field(default_factory=list)  # each [n, hidden]
+    last_emitted: float | None = None
+
+
+class Scheduler:
+    """Runs every submitted request through shared, batched verification passes of ``target``."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: Drafter | None,
+        tokenizer: Any | None,
+        config: SchedulerConfig | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.config = config if config is not None else SchedulerConfig()
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self.target = BatchedTarget(target, self.config.compaction)
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self._wants_features = bool(drafter is not None and drafter.needs_target_features)
+        self._waiting: deque[GenerationRequest] = deque()
+        self._rows: list[_Row] = []  # the scheduler thread's alone
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # The asyncio side ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="verispec-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the current round, then fail what is left (waiting and running) and end the thread."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        self._thread = None
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue ``request``; raises :class:`QueueFullError` when ``max_queue`` requests wait already."""
+        self.start()
+        with self._lock:
+            if self._stopping:
+                raise SchedulerClosedError("the server is shutting down")
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are waiting already (--max-queue {self.config.max_queue})")
+            self._waiting.append(request)
+            self.metrics.queue_length.set(len(self._waiting))
+            self._lock.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    # The scheduler thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._waiting and not self._rows:
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.config.max_batch - len(self._rows)))]
+                self.metrics.queue_length.set(len(self._waiting))
+            for request in admitted:
+                self._admit(request)
+            self._leave([row for row in self._rows if row.request.cancelled])
+            if self._rows:
+                self._round()
+            self.metrics.running.set(len(self._rows))
+        self._shut_down()
+
+    def _admit(self, request: GenerationRequest) -> None:
+        if request.cancelled:
+            return
+        session = None
+        try:
+            prompt = validate_prompt(request.prompt_ids, self.target.vocab_size)
+            stopper = StopCondition(request.stop, self.tokenizer)
+            session = self.drafter.start(prompt, request.sampling) if self.drafter is not None else None
+            prefill_started = time.perf_counter()
+            features = self.target.add(prompt)
+        except Exception as error:  # noqa: BLE001 - this request fails, the server goes on
+            _close(session)
+            self._fail(request, error)
+            return
+        stats = GenerationStats(prompt_tokens=len(prompt), prefill_s=time.perf_counter() - prefill_started)
+        row = _Row(request, list(prompt), stopper, request.sampling.make_generator(), session, stats)
+        if self._wants_features and len(features):
+            row.unseen_features.append(features)
+        self._rows.append(row)
+        self.metrics.prompt_tokens.inc(len(prompt))
+
+    def _round(self) -> None:
+        rows = self._rows
+        gamma = self.config.gamma_policy.gamma_for(len(rows), self.config.gamma) if self.drafter is not None else 0
+        self.metrics.gamma.set(gamma)
+        failed: set[int] = set()
+        proposals = []
+        for index, row in enumerate(rows):
+            try:
+                proposals.append(self._propose(row, gamma))
+            except Exception as error:  # noqa: BLE001 - a drafter error fails its request only
+                failed.add(index)
+                proposals.append(_NO_DRAFT)
+                self._fail(row.request, error)
+        feeds = [[row.tokens[-1]] + proposal.tokens for row, proposal in zip(rows, proposals)]
+        try:
+            outputs = self.target.extend(feeds, [len(feed) for feed in feeds])
+        except Exception as error:  # noqa: BLE001 - the shared pass failed: nobody's tokens are valid
+            logger.exception("batched target pass failed")
+            for index, row in enumerate(rows):
+                if index not in failed:
+                    self._fail(row.request, error)
+            self._leave(rows)
+            return
+        kept, finished = [], set(failed)
+        for index, (row, proposal, output) in enumerate(zip(rows, proposals, outputs)):
+            if index in failed:
+                kept.append(0)
+                continue
+            try:
+                num_accepted, done = self._accept(row, proposal, output.logits, output.features)
+            except Exception as error:  # noqa: BLE001 - e.g. a sink that cannot deliver any more
+                kept.append(0)
+                finished.add(index)
+                self._fail(row.request, error)
+                continue
+            kept.append(num_accepted + 1)  # the fed last token and the accepted drafts stay cached
+            if done:
+                finished.add(index)
+        self.target.commit(kept)
+        self.metrics.target_calls.inc()
+        self._leave([rows[index] for index in sorted(finished)])
+
+    def _propose(self, row: _Row, gamma: int) -> Proposal:
+        # A seeded request keeps the full gamma: its random stream (one uniform per draft) and so its
+        # text then depend on its prompt and seed only, never on the traffic it shares rounds with.
+        wanted = self.config.gamma if row.request.sampling.seed is not None and self.drafter is not None else gamma
+        num_draft = min(wanted, row.request.max_tokens - row.stats.new_tokens - 1)  # never draft what we could not emit
+        if row.session is None or num_draft <= 0:
+            return _NO_DRAFT
+        context = draft_context(row.tokens, row.unseen_features, len(row.tokens) - 1)
+        started = time.perf_counter()
+        proposal = row.session.propose(context, num_draft, row.generator)
+        row.stats.draft_s += time.perf_counter() - started
+        return checked_proposal(proposal, num_draft, self.target.vocab_size, self.drafter.name)
+
+    def _accept(self, row: _Row, proposal: Proposal, logits: torch.Tensor, features: torch.Tensor) -> tuple[int, bool]:
+        """Verify one row's drafts; emit its tokens. Returns (num_accepted, finished)."""
+        # logits: [k+1, vocab]; features: [k+1, hidden]
+        request = row.request
+        output, num_accepted = verify_drafts(proposal.tokens, proposal.probs, logits, request.sampling, row.generator)
+        if self._wants_features:
+            row.unseen_features.append(features[: num_accepted + 1].clone())  # a copy: the batch's hidden states go
+        new_tokens, stopped = row.stopper.cut(output[: num_accepted + 1])
+        row.tokens.extend(new_tokens)
+        stats = row.stats
+        stats.record_round(len(proposal.tokens), num_accepted, len(new_tokens), proposal.num_forward_passes)
+        now = time.perf_counter()
+        stats.total_s = now - request.arrived
+        self._record(row, len(proposal.tokens), num_accepted, len(new_tokens), now)
+        finish = "stop" if stopped else "length" if stats.new_tokens >= request.max_tokens else None
+        request.sink(StepResult(new_tokens, len(proposal.tokens), num_accepted, finish, stats))
+        return num_accepted, finish is not None
+
+    def _record(self, row: _Row, num_drafted: int, num_accepted: int, num_emitted: int, now: float) -> None:
+        metrics = self.metrics
+        if num_drafted:
+            metrics.drafts.inc()
+            metrics.draft_tokens.inc(num_drafted)
+            metrics.accepted_tokens.inc(num_accepted)
+            for position in range(num_accepted):
+                metrics.accepted_by_position.labels(position=str(position)).inc()
+        metrics.generated_tokens.inc(num_emitted)
+        if not num_emitted:
+            return
+        if row.last_emitted is None:
+            metrics.time_to_first_token.observe(now - row.request.arrived)
+            later_tokens = num_emitted - 1  # the first token's wait is the TTFT, not a per-token time
+            gap = 0.0
+        else:
+            later_tokens, gap = num_emitted, now - row.last_emitted
+        for _ in range(later_tokens):
+            metrics.time_per_token.observe(gap / num_emitted)
+        row.last_emitted = now
+
+    def _leave(self, leaving: list[_Row]) -> None:
+        """Remove rows from the batch (cache included) and close their drafter sessions."""
+        if not leaving:
+            return
+        gone = set(map(id, leaving))
+        keep = [index for index, row in enumerate(self._rows) if id(row) not in gone]
+        self.target.remove(keep)
+        for row in leaving:
+            _close(row.session)
+        self._rows = [self._rows[index] for index in keep]
+        self.metrics.running.set(len(self._rows))
+
+    def _fail(self, request: GenerationRequest, error: BaseException) -> None:
+        if not isinstance(error, ValueError):  # bad input explains itself; anything else is our bug
+            logger.error("request failed", exc_info=error)
+        try:
+            request.sink(RequestFailed(f"{type(error).__name__}: {error}"))
+        except Exception:  # noqa: BLE001 - its client is gone; nothing more to tell
+            pass
+
+    def _shut_down(self) -> None:
+        closed = SchedulerClosedError("the server is shutting down")
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in waiting:
+            self._fail(request, closed)
+        for row in self._rows:
+            self._fail(row.request, closed)
+        self._leave(list(self._rows))
+        self.metrics.queue_length.set(0)
+
+
+def _close(session: DraftSession | None) -> None:
+    if session is None:
+        return
+    try:
+        session.close()
+    except Exception:  # noqa: BLE001 - freeing memory must not fail a request
+        logger.exception("closing a drafter session failed")
