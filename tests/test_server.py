@@ -117,7 +117,8 @@ class ScriptedDrafter:
 @pytest.fixture(scope="module")
 def scripted(target, tokenizer):
     drafter = ScriptedDrafter(poison=encode_prompt(tokenizer, "@", chat=False)[0])
-    server = _serve(target, drafter, scheduler={"max_batch": 2, "max_queue": 2})
+    # Drafting (so the scripted drafter runs) at every batch size.
+    server = _serve(target, drafter, scheduler={"max_batch": 2, "max_queue": 2, "gamma_policy": BatchGammaPolicy(full_until=4, off_from=40)})
     yield server, drafter
     server.close()
 
@@ -407,7 +408,8 @@ def test_batched_rows_hand_drafters_the_same_features_as_the_engine(target):
     alone, batched = FeatureRecorder(), FeatureRecorder()
     for prompt in prompts:
         SpeculativeDecoder(target, alone, gamma=2).generate(prompt, 10)
-    scheduler = Scheduler(target.model, batched, target.tokenizer, SchedulerConfig(gamma=2))
+    # Drafting in every round, however many rows share it (the default policy drafts for a lone request only).
+    scheduler = Scheduler(target.model, batched, target.tokenizer, SchedulerConfig(gamma=2, gamma_policy=BatchGammaPolicy(full_until=8, off_from=40)))
     events = [queue.Queue() for _ in prompts]
     try:
         for prompt, sink in zip(prompts, events):
@@ -420,3 +422,17 @@ def test_batched_rows_hand_drafters_the_same_features_as_the_engine(target):
     for prompt in prompts:
         expected, got = torch.cat(alone.seen[tuple(prompt)]), torch.cat(batched.seen[tuple(prompt)])
         assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-4)
+
+
+def test_gamma_policy_tapers_with_the_batch_and_refuses_bad_bounds():
+    policy = BatchGammaPolicy(full_until=4, off_from=16)
+    gammas = [policy.gamma_for(batch, 6) for batch in range(1, 20)]
+    assert gammas[:4] == [6] * 4 and gammas[15:] == [0] * 4
+    assert all(later <= earlier for earlier, later in zip(gammas, gammas[1:]))  # never more drafts for a bigger batch
+    assert all(1 <= gamma <= 6 for gamma in gammas[4:15]) and gammas[9] == 3  # batch 10: half-way, half of gamma
+    default = BatchGammaPolicy()  # measured here: speculation pays for a lone request only
+    assert [default.gamma_for(batch, 4) for batch in (1, 2, 8)] == [4, 0, 0]
+    with pytest.raises(ValueError, match="off_from"):
+        BatchGammaPolicy(full_until=4, off_from=4)
+    with pytest.raises(ValueError, match="full_until"):
+        BatchGammaPolicy(full_until=0)

@@ -142,8 +142,8 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--model-id", default=None, help="the model name clients pass (default: --target as given)")
     serve.add_argument("--max-batch", type=int, default=32, help="requests decoded together; more wait (default 32)")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
-    serve.add_argument("--gamma-full-batch", type=int, default=4, help="batches up to this size draft the full --gamma (default 4)")
-    serve.add_argument("--gamma-off-batch", type=int, default=16, help="batches of this size or more decode plainly, gamma 0 (default 16); gamma tapers in between")
+    serve.add_argument("--gamma-full-batch", type=int, default=1, help="batches up to this size draft the full --gamma (default 1: measured on 2 CPU cores, speculation pays for a lone request only)")
+    serve.add_argument("--gamma-off-batch", type=int, default=2, help="batches of this size or more decode plainly, gamma 0 (default 2); gamma tapers in between")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
     serve.set_defaults(handler=_serve)
 

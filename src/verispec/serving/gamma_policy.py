@@ -5,9 +5,11 @@ memory-bound (the weights are read once whatever the rows), so extra draft rows 
 and speculation pays as it does for one request. As the batch grows the pass becomes
 compute-bound: every draft row then costs about as much as a plain decoding row, and rejected
 drafts are pure loss, so a busy server must draft less, and from some batch size not at all.
-The defaults are a conservative guess for small CPU models (full gamma up to 4 requests, off
-from 16), not a measurement; `verispec loadtest` against servers started with different
-``--gamma-off-batch`` values is how to place them on a given machine.
+The defaults come from `verispec loadtest` on a 2-core CPU with the built-in pair (2026-11-29,
+64 new tokens, HumanEval prompts): the draft model sped a lone request up 1.38x, broke even at 2
+concurrent requests (4.87 vs 5.02 tokens/s) and lost at 4 (0.73x) and 8 (0.62x) — each request
+drafts alone, so drafting grows with the batch while plain rows share one pass. Hence speculation
+only for a lone request; machines with spare compute (or batched drafting) should raise both.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ class BatchGammaPolicy:
     In between gamma falls linearly from the full value towards 1.
     """
 
-    full_until: int = 4
-    off_from: int = 16
+    full_until: int = 1
+    off_from: int = 2
 
     def __post_init__(self) -> None:
         if self.full_until < 1:
