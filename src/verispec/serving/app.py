@@ -157,9 +157,12 @@ class _Generation:
         text = TextStream(self.tokenizer, list(body.stop))
         if body.stream:
             return StreamingResponse(self._stream(request, events, text, shape, body.include_usage), media_type="text/event-stream")
+        checked = [time.monotonic()]
         try:
             while True:
-                event = await events.get()
+                event = await self._next_event(events, http, checked)
+                if event is None:  # the client hung up: stop generating for nobody
+                    return Response(status_code=499)
                 if isinstance(event, RequestFailed):
                     raise OpenAIError(500, event.message, type="server_error")
                 text.push(event.token_ids, final=event.finish_reason is not None)
@@ -167,6 +170,23 @@ class _Generation:
                     return JSONResponse(shape.response(text.text(), event.finish_reason, event.stats))
         finally:
             request.cancel()  # no-op once finished; frees the row if this handler was cancelled
+
+    async def _next_event(self, events: asyncio.Queue, http: Request, checked: list[float]) -> StepResult | RequestFailed | None:
+        """The request's next event, or None once its (non-streaming) client has disconnected.
+
+        Nothing is written to a non-streamed response until the end, so a hang-up is only seen by
+        asking; once a second is often enough (``checked[0]``: when we last asked), whether events
+        keep arriving or not.
+        """
+        while True:
+            if time.monotonic() - checked[0] >= 1.0:
+                checked[0] = time.monotonic()
+                if await http.is_disconnected():
+                    return None
+            try:
+                return await asyncio.wait_for(events.get(), timeout=1.0)
+            except TimeoutError:
+                continue
 
     async def _stream(self, request: GenerationRequest, events: asyncio.Queue, text: TextStream, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
         try:
