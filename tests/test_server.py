@@ -453,3 +453,20 @@ def test_gamma_policy_tapers_with_the_batch_and_refuses_bad_bounds():
         BatchGammaPolicy(full_until=4, off_from=4)
     with pytest.raises(ValueError, match="full_until"):
         BatchGammaPolicy(full_until=0)
+
+
+def test_rolling_acceptance_is_exposed_per_scope_and_requests_are_forgotten(draft_server, plain_server):
+    draft_server.client().completions.create(model=MODEL, prompt="hello world", max_tokens=12, temperature=0)
+    values = _metrics(draft_server)
+    for scope in ("global", "key:anonymous"):
+        alpha = values[("verispec_rolling_acceptance_rate", (("scope", scope),))]
+        tau = values[("verispec_rolling_tokens_per_call", (("scope", scope),))]
+        assert 0.0 <= alpha <= 1.0 and tau >= 1.0
+    monitor = draft_server.app.state.scheduler.monitor
+    _wait_for(lambda: draft_server.app.state.scheduler.running == 0)
+    assert sorted(monitor.scopes()) == ["global", "key:anonymous"]  # finished requests' scopes are gone
+    # Behind an API key the key's scope is a short hash, never the key itself.
+    headers = {"Authorization": f"Bearer {KEY}"}
+    plain_server.client(KEY).completions.create(model=MODEL, prompt="hello world", max_tokens=4, temperature=0)
+    text = httpx.get(f"{plain_server.url}/metrics", headers=headers).text
+    assert KEY not in text and 'verispec_rolling_tokens_per_call{scope="key:' in text

@@ -19,6 +19,7 @@ import torch
 from verispec.drafters.base import DraftContext, Drafter, Proposal
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.gamma import AdaptiveGamma
+from verispec.engine.monitor import AcceptanceMonitor, AcceptanceSnapshot
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
 from verispec.modelref import unwrap_model
@@ -37,6 +38,7 @@ class StepResult:
     num_accepted: int
     finish_reason: str | None  # None while running, then "stop" or "length"
     stats: GenerationStats  # running totals for the whole generation
+    rolling: AcceptanceSnapshot | None = None  # this generation's recent rounds, when a monitor watches
 
 
 @dataclass
@@ -54,6 +56,9 @@ class SpeculativeDecoder:
     implementing the :class:`~verispec.drafters.base.Drafter` protocol, or None for plain decoding.
     ``adaptive_gamma``: choose 0..gamma drafts each round from measured costs and acceptance
     (:class:`~verispec.engine.gamma.AdaptiveGamma`) instead of always drafting gamma.
+    ``monitor``: an :class:`~verispec.engine.monitor.AcceptanceMonitor` that every round is reported
+    to, in the scopes ``"global"`` and ``"generation:<n>"`` (forgotten when the generation ends);
+    each step then carries the generation's rolling snapshot.
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class SpeculativeDecoder:
         gamma: int = 4,
         tokenizer: Any | None = None,
         adaptive_gamma: bool = False,
+        monitor: AcceptanceMonitor | None = None,
     ) -> None:
         self.target, target_tokenizer = unwrap_model(target, argument="target")
         self.tokenizer = tokenizer if tokenizer is not None else target_tokenizer
@@ -70,6 +76,8 @@ class SpeculativeDecoder:
             raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
         self.drafter = drafter
         self.gamma = gamma
+        self.monitor = monitor
+        self._generations = 0  # numbers the monitor's per-generation scopes
         # One controller per decoder: the measured costs (draft step, verify per row count) are
         # properties of the models and machine, so they carry over from one generation to the next.
         self._gamma_controller = AdaptiveGamma(gamma) if adaptive_gamma and drafter is not None else None
@@ -138,6 +146,8 @@ class SpeculativeDecoder:
         if controller is not None:
             controller.start_sequence()
         drafted_before = False  # a session's first proposal also pays the drafter's prompt prefill
+        self._generations += 1
+        scopes = ("global", f"generation:{self._generations}")
         resumed = time.perf_counter()  # total_s counts our work, not the time a consumer holds a step
         try:
             # Target features the drafter has not been handed yet (rounds without drafting included).
@@ -175,7 +185,11 @@ class SpeculativeDecoder:
                 drafted_before = drafted_before or proposal.num_forward_passes > 0
                 finish = "stop" if stopped else "length" if stats.new_tokens >= max_new_tokens else None
                 stats.total_s += time.perf_counter() - resumed
-                yield StepResult(new_tokens, len(drafts), num_accepted, finish, stats)
+                rolling = None
+                if self.monitor is not None:
+                    self.monitor.record(scopes, len(drafts), num_accepted, len(new_tokens), draft_elapsed + verify_clock.elapsed)
+                    rolling = self.monitor.snapshot(scopes[1])
+                yield StepResult(new_tokens, len(drafts), num_accepted, finish, stats, rolling)
                 if finish is not None:
                     return
                 resumed = time.perf_counter()
@@ -184,6 +198,8 @@ class SpeculativeDecoder:
             if session is not None:
                 session.close()
             target.release()
+            if self.monitor is not None:
+                self.monitor.forget(scopes[1])
 
 
 def draft_context(tokens: list[int], unseen_features: list[torch.Tensor], target_length: int) -> DraftContext:

@@ -9,6 +9,7 @@ events, as Server-Sent Events when ``stream`` is set.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import time
@@ -113,6 +114,8 @@ class _Generation:
         self.context_window = int(target.model.config.get_text_config(decoder=True).max_position_embeddings)
         self.vocab_size = int(target.model.get_output_embeddings().out_features)
         self.created = int(time.time())
+        # The monitor's per-key scope: a short hash, never the key itself (it ends up in metrics and logs).
+        self.client = "anonymous" if config.api_key is None else hashlib.sha256(config.api_key.encode()).hexdigest()[:8]
 
     def check_model(self, body: GenerationBody) -> None:
         if body.model != self.config.model_id:
@@ -142,7 +145,7 @@ class _Generation:
             sampling = SamplingParams(temperature=float(body.temperature), top_k=body.top_k, top_p=float(body.top_p), seed=body.seed)
         except ValueError as error:
             raise OpenAIError(400, str(error)) from None
-        return GenerationRequest(prompt_ids, max_tokens, sampling, self.eos + list(body.stop), sink)
+        return GenerationRequest(prompt_ids, max_tokens, sampling, self.eos + list(body.stop), sink, client=self.client)
 
     async def respond(self, body: GenerationBody, prompt_ids: list[int], shape: ResponseShape, http: Request) -> Response:
         loop = asyncio.get_running_loop()

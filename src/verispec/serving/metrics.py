@@ -27,6 +27,11 @@ class ServerMetrics:
         self.queue_length = Gauge("verispec_queue_length", "Requests waiting to join the running batch", registry=r)
         self.running = Gauge("verispec_running_batch_size", "Requests in the running batch", registry=r)
         self.target_calls = Counter("verispec_target_calls", "Batched target verification passes", registry=r)
+        # Rolling (last rounds) acceptance per scope: "global" and one "key:<id>" per API key.
+        self.rolling_alpha = Gauge("verispec_rolling_acceptance_rate", "Accepted / drafted tokens over the scope's recent rounds", ["scope"], registry=r)
+        self.rolling_tau = Gauge("verispec_rolling_tokens_per_call", "Tokens per target call over the scope's recent rounds", ["scope"], registry=r)
+        self.rolling_speedup = Gauge("verispec_rolling_speedup", "Realised speed-up over plain decoding over the scope's recent rounds (per request, estimated)", ["scope"], registry=r)
+        self.below_floor = Counter("verispec_speculation_below_floor", "Times a scope's realised speed-up (or acceptance) fell below the monitor's floor", registry=r)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.base import Drafter, DraftSession, Proposal
 from verispec.engine.decoder import StepResult, checked_proposal, draft_context, validate_prompt, verify_drafts
+from verispec.engine.monitor import AcceptanceMonitor
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
 from verispec.sampling import SamplingParams
@@ -86,6 +87,7 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: list[int | str]  # stop token ids and strings (EOS included by the caller)
     sink: Callable[[RequestEvent], None]  # must not block: it runs between the batch's rounds
+    client: str = "anonymous"  # whose request (an API key's id): the acceptance monitor's key scope
     arrived: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -110,6 +112,12 @@ class _Row:
     stats: GenerationStats
     unseen_features: list[torch.Tensor] = field(default_factory=list)  # each [n, hidden]
     last_emitted: float | None = None
+    round_draft_s: float = 0.0  # this round's drafting time (the monitor charges it with the shared pass)
+
+    @property
+    def scopes(self) -> tuple[str, str, str]:
+        """The acceptance monitor's scopes of this request: global, its client's, its own."""
+        return ("global", f"key:{self.request.client}", f"request:{id(self.request)}")
 
 
 class Scheduler:
@@ -122,9 +130,11 @@ class Scheduler:
         tokenizer: Any | None,
         config: SchedulerConfig | None = None,
         metrics: ServerMetrics | None = None,
+        monitor: AcceptanceMonitor | None = None,
     ) -> None:
         self.config = config if config is not None else SchedulerConfig()
         self.metrics = metrics if metrics is not None else ServerMetrics()
+        self.monitor = monitor if monitor is not None else AcceptanceMonitor()
         self.target = BatchedTarget(target, self.config.compaction)
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -230,7 +240,9 @@ class Scheduler:
                 self._fail(row.request, error)
         feeds = [[row.tokens[-1]] + proposal.tokens for row, proposal in zip(rows, proposals)]
         try:
+            pass_started = time.perf_counter()
             outputs = self.target.extend(feeds, [len(feed) for feed in feeds])
+            pass_s = time.perf_counter() - pass_started
         except Exception as error:  # noqa: BLE001 - the shared pass failed: nobody's tokens are valid
             logger.exception("batched target pass failed")
             for index, row in enumerate(rows):
@@ -244,7 +256,7 @@ class Scheduler:
                 kept.append(0)
                 continue
             try:
-                num_accepted, done = self._accept(row, proposal, output.logits, output.features)
+                num_accepted, done = self._accept(row, proposal, output.logits, output.features, pass_s)
             except Exception as error:  # noqa: BLE001 - e.g. a sink that cannot deliver any more
                 kept.append(0)
                 finished.add(index)
@@ -267,10 +279,11 @@ class Scheduler:
         context = draft_context(row.tokens, row.unseen_features, len(row.tokens) - 1)
         started = time.perf_counter()
         proposal = row.session.propose(context, num_draft, row.generator)
-        row.stats.draft_s += time.perf_counter() - started
+        row.round_draft_s = time.perf_counter() - started
+        row.stats.draft_s += row.round_draft_s
         return checked_proposal(proposal, num_draft, self.target.vocab_size, self.drafter.name)
 
-    def _accept(self, row: _Row, proposal: Proposal, logits: torch.Tensor, features: torch.Tensor) -> tuple[int, bool]:
+    def _accept(self, row: _Row, proposal: Proposal, logits: torch.Tensor, features: torch.Tensor, pass_s: float) -> tuple[int, bool]:
         """Verify one row's drafts; emit its tokens. Returns (num_accepted, finished)."""
         # logits: [k+1, vocab]; features: [k+1, hidden]
         request = row.request
@@ -284,6 +297,8 @@ class Scheduler:
         now = time.perf_counter()
         stats.total_s = now - request.arrived
         self._record(row, len(proposal.tokens), num_accepted, len(new_tokens), now)
+        self._monitor(row, len(proposal.tokens), num_accepted, len(new_tokens), row.round_draft_s + pass_s)
+        row.round_draft_s = 0.0
         finish = "stop" if stopped else "length" if stats.new_tokens >= request.max_tokens else None
         request.sink(StepResult(new_tokens, len(proposal.tokens), num_accepted, finish, stats))
         return num_accepted, finish is not None
@@ -309,6 +324,23 @@ class Scheduler:
             metrics.time_per_token.observe(gap / num_emitted)
         row.last_emitted = now
 
+    def _monitor(self, row: _Row, num_drafted: int, num_accepted: int, num_emitted: int, seconds: float) -> None:
+        """Rolling acceptance (global, per client, per request) and its gauges.
+
+        A request is charged the whole shared pass (what it would wait for alone is not measurable
+        inside a batch), and the plain-step cost is learnt from the server's own plain rounds, so
+        the speed-up is relative to plain decoding at the batch sizes this server runs.
+        """
+        warnings = self.monitor.warnings
+        self.monitor.record(row.scopes, num_drafted, num_accepted, num_emitted, seconds)
+        self.metrics.below_floor.inc(self.monitor.warnings - warnings)
+        for scope in row.scopes[:2]:
+            snapshot = self.monitor.snapshot(scope)
+            self.metrics.rolling_alpha.labels(scope=scope).set(snapshot.alpha)
+            self.metrics.rolling_tau.labels(scope=scope).set(snapshot.tau)
+            if snapshot.speedup is not None:
+                self.metrics.rolling_speedup.labels(scope=scope).set(snapshot.speedup)
+
     def _leave(self, leaving: list[_Row]) -> None:
         """Remove rows from the batch (cache included) and close their drafter sessions."""
         if not leaving:
@@ -318,6 +350,7 @@ class Scheduler:
         self.target.remove(keep)
         for row in leaving:
             _close(row.session)
+            self.monitor.forget(row.scopes[2])
         self._rows = [self._rows[index] for index in keep]
         self.metrics.running.set(len(self._rows))
 
