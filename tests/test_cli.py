@@ -123,3 +123,19 @@ def test_eagle_threads_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["eagle", "train", "--threads", "0"])
     assert "--threads: must be >= 1" in capsys.readouterr().err
+
+
+def test_attack_command_reports_every_method_on_every_prompt(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "attack.json"
+    args = ["attack", "--target", tiny_gguf, "--draft", tiny_gguf, "--prompt", "hello world", "--suffix-tokens", "3", "--steps", "2",
+            "--candidates", "2", "--continuation-tokens", "4", "--max-new-tokens", "6", "--gamma", "2", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert len(report["suffix"]) == 3 and len(report["history"]) == 2
+    assert [(row["prompt"], row["method"]) for row in report["rows"]] == [
+        (prompt, method) for prompt in ("clean", "random suffix", "attack suffix") for method in ("plain", "fixed gamma 2", "adaptive")
+    ]
+    assert all(row["vs_plain"] > 0 and 1.0 <= row["tau"] <= 3.0 for row in report["rows"])
+    assert "expected acceptance" in capsys.readouterr().out
+    assert main(["attack", "--target", tiny_gguf, "--draft", tiny_gguf, "--steps", "0"]) == 2  # a clear error, no traceback
+    assert "steps" in capsys.readouterr().err

@@ -102,9 +102,11 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_serve_parsers(commands)
 
+    from verispec.attack_cli import add_attack_parser
     from verispec.eagle_cli import add_eagle_parser
 
     add_eagle_parser(commands)
+    add_attack_parser(commands)
 
     costs = commands.add_parser("costs", help="forward-pass cost by number of new tokens, per kernel setting (what decides gamma here)")
     costs.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")

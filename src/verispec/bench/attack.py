@@ -1,0 +1,113 @@
+"""Rejection attacks: a short prompt suffix that makes the drafter disagree with the target.
+
+Speculative decoding accepts a draft token with probability min(1, p_target / q_draft), so the
+expected acceptance at a position is
+
+    accept(position) = sum_x min(p_target(x), q_draft(x)) = 1 - TV(p_target, q_draft).
+
+The attack searches a suffix s (``suffix_tokens`` tokens appended to the prompt) minimising the
+mean of accept() over the target's own greedy continuation of prompt + s (teacher-forced: one
+target pass and one draft pass score a candidate), optionally plus ``quality_weight`` × the
+target's mean negative log-likelihood of the clean continuation after the attacked prompt — a
+penalty keeping the answer what it was (stealth) at the cost of attack strength. The search is
+random coordinate descent: each step tries ``candidates`` single-token swaps and keeps the best
+if it improves. Output stays exact whatever the suffix: only speed is attacked.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from verispec.engine.decoder import SpeculativeDecoder
+from verispec.modelref import unwrap_model
+
+
+@dataclass(frozen=True)
+class AttackSettings:
+    suffix_tokens: int = 12
+    steps: int = 40
+    candidates: int = 4  # single-token swaps tried per step
+    continuation_tokens: int = 24  # the target's continuation the acceptance is measured on
+    quality_weight: float = 0.0  # 0: strongest attack; > 0 also keeps the clean answer likely
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("suffix_tokens", "steps", "candidates", "continuation_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.quality_weight < 0:
+            raise ValueError(f"quality_weight must be >= 0, got {self.quality_weight!r}")
+
+
+@dataclass
+class AttackResult:
+    suffix: list[int]
+    score: float  # the minimised objective
+    expected_acceptance: float  # mean 1 - TV over the continuation after prompt + suffix
+    initial_expected_acceptance: float  # the same for the random suffix the search started from
+    history: list[float]  # best score after each step
+
+
+@torch.inference_mode()
+def expected_acceptance(target, draft, ids: list[int], start: int) -> float:  # noqa: ANN001 - causal LMs
+    """Mean of sum_x min(p_target(x), q_draft(x)) over the positions predicting ids[start:]."""
+    if not 1 <= start < len(ids):
+        raise ValueError(f"start must be in [1, {len(ids) - 1}], got {start}")
+    input_ids = torch.tensor([ids])
+    p_target = torch.softmax(target(input_ids).logits[0, start - 1 : -1].float(), -1)  # [n, vocab]
+    q_draft = torch.softmax(draft(input_ids).logits[0, start - 1 : -1].float(), -1)  # [n, vocab_draft]
+    vocab = min(p_target.shape[-1], q_draft.shape[-1])
+    return float(torch.minimum(p_target[:, :vocab], q_draft[:, :vocab]).sum(-1).mean())
+
+
+@torch.inference_mode()
+def _mean_nll(target, ids: list[int], start: int) -> float:  # noqa: ANN001
+    logits = target(torch.tensor([ids])).logits[0, start - 1 : -1].float()  # [n, vocab]
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[start:])))
+
+
+def search_suffix(
+    target,  # noqa: ANN001 - a causal LM (or LoadedModel)
+    draft,  # noqa: ANN001 - the drafter's model
+    prompt_ids: list[int],
+    settings: AttackSettings,
+    allowed_tokens: list[int],
+    *,
+    progress: bool = False,
+) -> AttackResult:
+    """Search a suffix for ``prompt_ids`` that minimises the draft's expected acceptance."""
+    if not prompt_ids or not allowed_tokens:
+        raise ValueError("prompt_ids and allowed_tokens must not be empty")
+    target_model, _ = unwrap_model(target, argument="target")
+    draft_model, _ = unwrap_model(draft, argument="draft")
+    plain = SpeculativeDecoder(target_model)
+    clean_answer = plain.generate(prompt_ids, settings.continuation_tokens, stop=[]).token_ids
+    rng = random.Random(settings.seed)
+
+    def evaluate(suffix: list[int]) -> tuple[float, float]:
+        attacked = prompt_ids + suffix
+        answer = plain.generate(attacked, settings.continuation_tokens, stop=[]).token_ids
+        acceptance = expected_acceptance(target_model, draft_model, attacked + answer, len(attacked))
+        score = acceptance
+        if settings.quality_weight > 0:
+            score += settings.quality_weight * _mean_nll(target_model, attacked + clean_answer, len(attacked))
+        return score, acceptance
+
+    suffix = [rng.choice(allowed_tokens) for _ in range(settings.suffix_tokens)]
+    best_score, best_acceptance = evaluate(suffix)
+    initial = best_acceptance
+    history = []
+    for _ in tqdm(range(settings.steps), desc="attack", unit="step", disable=not progress):
+        for _ in range(settings.candidates):
+            candidate = list(suffix)
+            candidate[rng.randrange(len(candidate))] = rng.choice(allowed_tokens)
+            score, acceptance = evaluate(candidate)
+            if score < best_score:
+                suffix, best_score, best_acceptance = candidate, score, acceptance
+        history.append(best_score)
+    return AttackResult(suffix, best_score, best_acceptance, initial, history)

@@ -1,0 +1,63 @@
+"""The rejection-attack search on tiny models: it finds suffixes the drafter handles worse than random ones."""
+
+import random
+
+import pytest
+import torch
+
+from tiny_models import noisy_copy, tiny_target
+from verispec import DraftModel, SpeculativeDecoder
+from verispec.bench.attack import AttackSettings, expected_acceptance, search_suffix
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target()
+    return target, noisy_copy(target, noise=1.0)  # a drafter that agrees ~55% of the time: room to attack
+
+
+def test_expected_acceptance_is_one_minus_total_variation(pair):
+    target, draft = pair
+    ids = [3, 17, 5, 9, 3, 17, 22, 40]
+    assert expected_acceptance(target, target, ids, 2) == pytest.approx(1.0)
+    value = expected_acceptance(target, draft, ids, 2)
+    with torch.no_grad():
+        p = torch.softmax(target(torch.tensor([ids])).logits[0, 1:-1], -1)
+        q = torch.softmax(draft(torch.tensor([ids])).logits[0, 1:-1], -1)
+    assert value == pytest.approx(1 - 0.5 * (p - q).abs().sum(-1).mean().item(), abs=1e-5)
+    with pytest.raises(ValueError, match="start"):
+        expected_acceptance(target, draft, ids, 0)
+
+
+def test_search_lowers_acceptance_below_random_suffixes_and_speculation_feels_it(pair):
+    target, draft = pair
+    prompt = [3, 17, 5, 9]
+    settings = AttackSettings(suffix_tokens=6, steps=30, candidates=4, continuation_tokens=12, seed=1)
+    allowed = list(range(1, 96))  # the tiny vocabulary
+    result = search_suffix(target, draft, prompt, settings, allowed)
+    assert result.history == sorted(result.history, reverse=True)  # never worse than before
+    rng = random.Random(7)
+    random_suffixes = [[rng.choice(allowed) for _ in range(6)] for _ in range(6)]
+    plain = SpeculativeDecoder(target)
+
+    def acceptance(suffix):
+        attacked = prompt + suffix
+        answer = plain.generate(attacked, 12, stop=[]).token_ids
+        return expected_acceptance(target, draft, attacked + answer, len(attacked))
+
+    random_values = [acceptance(s) for s in random_suffixes]
+    assert result.expected_acceptance == pytest.approx(acceptance(result.suffix))
+    # Measured with these seeds: 0.51 found vs 0.57 mean (0.565 best) over the random suffixes.
+    assert result.expected_acceptance < min(random_values)
+    assert result.expected_acceptance < sum(random_values) / len(random_values) - 0.03
+    # The speculative decoder's output stays the target's under attack; only its speed suffers.
+    decoder = SpeculativeDecoder(target, DraftModel(draft), gamma=4)
+    attacked = prompt + result.suffix
+    assert decoder.generate(attacked, 12, stop=[]).token_ids == plain.generate(attacked, 12, stop=[]).token_ids
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="suffix_tokens"):
+        AttackSettings(suffix_tokens=0)
+    with pytest.raises(ValueError, match="quality_weight"):
+        AttackSettings(quality_weight=-1)
