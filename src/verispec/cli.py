@@ -297,16 +297,21 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    """A comma list of integers from ``option``'s value; a clear error naming the option otherwise."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{option} must be a comma list of integers, got {text!r}") from None
+
+
 def _loadtest(args: argparse.Namespace) -> int:
     import asyncio
 
     from verispec.bench.prompts import humaneval_prompts
     from verispec.serving.loadtest import format_table, run_level, served_model
 
-    try:
-        levels = [int(part) for part in args.concurrency.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
+    levels = _int_list(args.concurrency, "--concurrency")
     if not levels or min(levels) < 1 or args.max_tokens < 1 or args.requests_per_client < 1:
         raise ValueError("--concurrency levels, --max-tokens and --requests-per-client must be >= 1")
     prompts = [p.text for p in humaneval_prompts()]
@@ -364,10 +369,7 @@ def _costs(args: argparse.Namespace) -> int:
     from verispec.models import load_model, quantize_int8
     from verispec.models.packed_linear import onednn_packing_available, pack_linears
 
-    try:
-        counts = [int(part) for part in args.tokens.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--tokens must be a comma list of integers, got {args.tokens!r}") from None
+    counts = _int_list(args.tokens, "--tokens")
     if not counts or min(counts) < 1 or args.context < 1 or args.repeats < 1:
         raise ValueError("--tokens counts, --context and --repeats must be >= 1")
     if args.threads is not None:

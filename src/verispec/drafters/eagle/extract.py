@@ -88,7 +88,9 @@ def record_answers(
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size} and {max_new_tokens}")
     tokenizer, model = target.tokenizer, target.model
-    stop_ids = {tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))} - {None}
+    from verispec.engine import SpeculativeDecoder
+
+    stop_ids = {tokenizer.eos_token_id, *SpeculativeDecoder(model).default_stop()} - {None}  # the engine's EOS reading
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
     steps = tqdm(total=max_new_tokens, unit="step", desc="batch", leave=False, disable=not progress)
 
@@ -114,10 +116,6 @@ def _batches(items: Iterable, size: int) -> Iterator[list]:
             batch = []
     if batch:
         yield batch
-
-
-def _as_list(value) -> list:  # noqa: ANN001
-    return [] if value is None else list(value) if isinstance(value, (list, tuple, set)) else [value]
 
 
 def _build_shards(target, items, features_of, out_dir, settings: ExtractSettings, corpus_name: str, progress: bool) -> dict:  # noqa: ANN001
