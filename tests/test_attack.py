@@ -34,7 +34,7 @@ def test_search_lowers_acceptance_below_random_suffixes_and_speculation_feels_it
     prompt = [3, 17, 5, 9]
     settings = AttackSettings(suffix_tokens=6, steps=30, candidates=4, continuation_tokens=12, seed=1)
     allowed = list(range(1, 96))  # the tiny vocabulary
-    result = search_suffix(target, draft, prompt, settings, allowed)
+    result = search_suffix(target, draft, lambda suffix: prompt + suffix, settings, allowed)
     assert result.history == sorted(result.history, reverse=True)  # never worse than before
     rng = random.Random(7)
     random_suffixes = [[rng.choice(allowed) for _ in range(6)] for _ in range(6)]
@@ -61,3 +61,18 @@ def test_bad_settings_are_refused():
         AttackSettings(suffix_tokens=0)
     with pytest.raises(ValueError, match="quality_weight"):
         AttackSettings(quality_weight=-1)
+
+
+def test_stressed_prompts_cover_every_prompt_and_stressor_in_order():
+    from verispec.bench.prompts import Prompt
+    from verispec.bench.stressors import FORMAT_SWITCH, LANGUAGE_SWITCH, STRESSORS, parse_stressors, stressed_prompts
+
+    prompts = [Prompt("a", "code", "def f():"), Prompt("b", "code", "def g():")]
+    stressed = stressed_prompts(prompts, list(STRESSORS), random_suffix="qq zz", attack_suffix="xx yy")
+    assert [(p.id, p.category) for p in stressed] == [(f"{p.id} [{s}]", s) for p in prompts for s in STRESSORS]
+    texts = {p.category: p.text for p in stressed[:5]}
+    assert texts == {"clean": "def f():", "random": "def f():\nqq zz", "language": f"def f():\n{LANGUAGE_SWITCH}",
+                     "format": f"def f():\n{FORMAT_SWITCH}", "attack": "def f():\nxx yy"}  # fmt: skip
+    assert parse_stressors("attack, clean,attack") == ["attack", "clean"]
+    with pytest.raises(ValueError, match="--stressors"):
+        parse_stressors("clean,loud")

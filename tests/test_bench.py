@@ -386,3 +386,43 @@ def test_identical_output_accounting():
     assert summaries["plain"].identical is None  # the reference itself
     assert all(s.identical is None for s in summarize(rows, ["plain", "spec"], greedy=False))
     assert first_difference([1, 2], [1, 2]) is None and first_difference([], [5]) == 0
+
+
+def test_categories_report_tau_alpha_and_the_speedup_of_decoding_after_the_prefill():
+    from dataclasses import replace
+
+    from verispec.bench.report import category_detail_table
+
+    rows = [
+        # Long prompt: 8 s of prefill in both runs; decoding 10 tokens takes 2 s plain, 1 s spec.
+        replace(row("p1", "plain", 10, 10.0, "long-8192"), prefill_seconds=8.0),
+        replace(row("p1", "spec", 10, 9.0, "long-8192", drafted=[3, 3], accepted=[3, 1], calls=4), prefill_seconds=8.0),
+        row("p2", "plain", 10, 1.0, "long-512"),  # no prefill time known (as for Hugging Face): no decode ratio
+        row("p2", "spec", 10, 0.5, "long-512", drafted=[4], accepted=[0], calls=10),
+    ]  # fmt: skip
+    spec = {s.method: s for s in summarize(rows, ["plain", "spec"], greedy=True)}["spec"]
+    long = spec.by_category["long-8192"]
+    assert long.speedup["plain"].median == pytest.approx(10 / 9)  # wall-clock: the prefill hides the gain
+    assert long.decode_speedup["plain"].median == pytest.approx(2.0)
+    assert (long.tokens_per_call, long.acceptance_rate) == (pytest.approx(2.5), pytest.approx(4 / 6))
+    assert spec.by_category["long-512"].decode_speedup == {} and spec.by_category["long-512"].acceptance_rate == 0.0
+    header, table = category_detail_table(list(summarize(rows, ["plain", "spec"], greedy=True)), "plain")
+    assert header == ["category", "plain", "spec"]
+    assert table[0] == ["long-8192", "τ 1.00 α - decode 1.00x", "τ 2.50 α 0.67 decode 2.00x"]
+
+
+def test_raw_prompts_skip_the_chat_template(tiny_gguf, prompts_file, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(tiny_gguf).parent), gguf_file=Path(tiny_gguf).name)
+    runs = {}
+    for label, extra in (("chat", []), ("raw", ["--raw"])):
+        out = tmp_path / label
+        assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", "plain", *extra) == 0
+        runs[label] = json.loads((out / "results.json").read_text())
+    assert runs["raw"]["settings"]["raw"] is True and runs["chat"]["settings"]["raw"] is False
+    raw_lengths = [row["prompt_tokens"] for row in runs["raw"]["rows"]]
+    assert raw_lengths == [len(tokenizer("the hello the hello the hello")["input_ids"]), len(tokenizer("hello the")["input_ids"]), len(tokenizer("hello hello the")["input_ids"])]
+    assert all(chat > raw for chat, raw in zip([row["prompt_tokens"] for row in runs["chat"]["rows"]], raw_lengths))  # the template adds tokens
+    assert bench(tiny_gguf, tmp_path / "x", "--prompts", str(prompts_file), "--raw", "--multi-turn") == 2
+    assert "--raw" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The command line on a tiny GGUF model (real tokenizer layout and chat template)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -125,17 +126,46 @@ def test_eagle_threads_must_be_positive(capsys):
     assert "--threads: must be >= 1" in capsys.readouterr().err
 
 
-def test_attack_command_reports_every_method_on_every_prompt(tiny_gguf, tmp_path, capsys):
-    out = tmp_path / "attack.json"
+def test_attack_command_benchmarks_every_method_under_every_stressor(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "attack"
+    methods = ["plain", "draft-model", "draft-model-adaptive", "ngram"]
     args = ["attack", "--target", tiny_gguf, "--draft", tiny_gguf, "--prompt", "hello world", "--suffix-tokens", "3", "--steps", "2",
-            "--candidates", "2", "--continuation-tokens", "4", "--max-new-tokens", "6", "--gamma", "2", "--json", str(out)]  # fmt: skip
+            "--candidates", "2", "--continuation-tokens", "4", "--max-new-tokens", "6", "--gamma", "2",
+            "--methods", ",".join(methods), "--out", str(out)]  # fmt: skip
     assert main(args) == 0
-    report = json.loads(out.read_text())
-    assert len(report["suffix"]) == 3 and len(report["history"]) == 2
-    assert [(row["prompt"], row["method"]) for row in report["rows"]] == [
-        (prompt, method) for prompt in ("clean", "random suffix", "attack suffix") for method in ("plain", "fixed gamma 2", "adaptive")
-    ]
-    assert all(row["vs_plain"] > 0 and 1.0 <= row["tau"] <= 3.0 for row in report["rows"])
+    attack = json.loads((out / "attack.json").read_text())
+    assert len(attack["suffix"]) == 3 and len(attack["history"]) == 2 and 0 < attack["expected_acceptance"] <= 1
+    stressed = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert [p["category"] for p in stressed] == ["clean", "random", "language", "format", "attack"]
+    assert stressed[0]["prompt"] == "hello world" and stressed[-1]["prompt"] == "hello world\n" + attack["suffix_text"]
+    results = json.loads((out / "bench" / "results.json").read_text())
+    assert results["command"].startswith("verispec bench --prompts") and results["settings"]["gamma"] == 2
+    assert {(row["category"], row["method"]) for row in results["rows"]} == {(p["category"], m) for p in stressed for m in methods}
+    by_method = {s["method"]: s for s in results["summaries"]}
+    assert set(by_method["draft-model"]["by_category"]) == {p["category"] for p in stressed}
+    # The draft is the target itself, so every stressed prompt's output is identical to plain decoding's.
+    assert by_method["draft-model"]["identical"]["count"] == 5
     assert "expected acceptance" in capsys.readouterr().out
-    assert main(["attack", "--target", tiny_gguf, "--draft", tiny_gguf, "--steps", "0"]) == 2  # a clear error, no traceback
-    assert "steps" in capsys.readouterr().err
+
+
+def test_attack_completion_placement_benchmarks_raw_prompts():
+    from verispec.attack_cli import _bench_argv
+    from verispec.cli import _build_parser
+
+    args = _build_parser().parse_args(["attack", "--placement", "completion", "--temperature", "0.7", "--seed", "3"])
+    argv = _bench_argv(args, Path("p.jsonl"), Path("out"))
+    assert "--raw" in argv and argv[argv.index("--temperature") + 1] == "0.7" and argv[argv.index("--seed") + 1] == "3"
+    assert "--raw" not in _bench_argv(_build_parser().parse_args(["attack"]), Path("p.jsonl"), Path("out"))
+
+
+def test_attack_command_refuses_bad_options_before_loading(tiny_gguf, tmp_path, capsys):
+    base = ["attack", "--target", tiny_gguf, "--draft", tiny_gguf, "--out", str(tmp_path / "x")]
+    assert main([*base, "--stressors", "clean,nonsense"]) == 2
+    assert "--stressors" in capsys.readouterr().err
+    assert main([*base, "--methods", "plain,warp-drive"]) == 2
+    assert "--methods" in capsys.readouterr().err
+    assert main([*base, "--prompt", "hi", "--num-prompts", "3"]) == 2
+    assert "--num-prompts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--steps", "0"])
+    assert "--steps: must be >= 1" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from tiny_models import anti_copy, noisy_copy, tiny_target
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder, logits_to_probs
 from verispec.drafters import DraftContext, NgramDrafter, Proposal
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from verispec.engine.gamma import AdaptiveGamma, StepCosts
 
 PROMPTS = [[1, 2, 3], [7], [5, 17, 42, 9, 33, 60, 2, 11], list(range(10, 40))]
 
@@ -182,6 +183,11 @@ def _eagle_head(target):
     return EagleHead(EagleConfig.for_target(target.config, intermediate_size=16)).eval()
 
 
+class _FixedCosts(StepCosts):
+    def observe(self, *_):  # keep the given costs: timings of tiny models say nothing
+        pass
+
+
 @pytest.mark.parametrize(
     ("sampling", "drafter_kind"),
     [
@@ -192,8 +198,9 @@ def _eagle_head(target):
         (SamplingParams(temperature=1.0), "draft-model-confident"),
         (SamplingParams(temperature=1.0), "eagle"),
         (SamplingParams(temperature=0.9, top_p=0.8), "eagle-draft-vocab"),
+        (SamplingParams(temperature=1.0), "draft-model-adaptive"),
     ],
-    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab"],
+    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab", "adaptive-gamma"],
 )
 def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind):
     target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
@@ -203,17 +210,22 @@ def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind)
     drafter = {
         "draft-model": lambda: DraftModel(draft),
         "draft-model-confident": lambda: DraftModel(draft, confidence_threshold=0.5),  # draft length varies
+        "draft-model-adaptive": lambda: DraftModel(draft),
         "ngram": NgramDrafter,
         "eagle": lambda: EagleDrafter(target, _eagle_head(target)),
         # Drafts only from tokens 1, 2, 4: zero draft mass on the others must stay exact.
         "eagle-draft-vocab": lambda: EagleDrafter(target, _eagle_head(target), draft_vocab=torch.tensor([1, 2, 4])),
     }[drafter_kind]()
-    decoder = SpeculativeDecoder(target, drafter, gamma=2)
+    # Adaptive: fixed costs as if drafting were cheap, so the controller drafts or not by each text's acceptance.
+    # With this prior one draft pays until a rejection, then plain rounds: the drafts depend on the history.
+    costs = _FixedCosts(draft_step_s=0.3, verify_s={1: 1.0, 2: 1.2, 3: 1.4})
+    adaptive = drafter_kind.endswith("-adaptive") and AdaptiveGamma(2, alpha_prior=0.6, costs=costs)
+    decoder = SpeculativeDecoder(target, drafter, gamma=2, adaptive_gamma=adaptive)
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
     accepted = 0
     for seed in range(RUNS):
         params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
-        result = decoder.generate(prompt, 2, params, stop=[])
+        result = decoder.generate(prompt, 3 if adaptive else 2, params, stop=[])
         counts[result.token_ids[0], result.token_ids[1]] += 1
         accepted += result.stats.num_accepted
     assert 0.1 * RUNS < accepted < RUNS  # the draft is neither always right nor always wrong

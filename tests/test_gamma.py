@@ -100,3 +100,17 @@ def test_combined_drafter_uses_lookup_first_and_stays_exact():
     assert result.token_ids == SpeculativeDecoder(target).generate(prompt, 40, stop=[]).token_ids
     # Lookup rounds cost no drafter pass; model rounds cost one per draft token.
     assert result.stats.draft_calls < result.stats.num_drafted
+
+
+@pytest.mark.parametrize("spiked_pass", [0, 1])  # the plain pass that measures the baseline, the first draft round's
+def test_one_timing_spike_does_not_keep_a_collapsed_text_drafting(spiked_pass):
+    controller = AdaptiveGamma(max_gamma=4)
+    passes = iter(range(10**6))
+
+    def verify(rows):  # one pass hit by a 100x pause (GC, another thread holding the GIL), then never again
+        return 0.3 * (100.0 if next(passes) == spiked_pass else 1.0)
+
+    chosen = _simulate(controller, 48, 0.0, verify, 0.05, random.Random(4))
+    assert chosen[0] == 0  # the first round measures plain decoding's cost
+    calm = _simulate(AdaptiveGamma(max_gamma=4), 48, 0.0, lambda rows: 0.3, 0.05, random.Random(4))
+    assert sum(1 for gamma in chosen if gamma) <= sum(1 for gamma in calm if gamma) + 2, (chosen, calm)

@@ -18,7 +18,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from tiny_models import noisy_copy, tiny_target, write_tiny_qwen2_gguf
+from tiny_models import anti_copy, noisy_copy, tiny_target, write_tiny_qwen2_gguf
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.drafters import Proposal
 from verispec.models import LoadedModel, encode_chat, encode_prompt
@@ -470,3 +470,34 @@ def test_rolling_acceptance_is_exposed_per_scope_and_requests_are_forgotten(draf
     plain_server.client(KEY).completions.create(model=MODEL, prompt="hello world", max_tokens=4, temperature=0)
     text = httpx.get(f"{plain_server.url}/metrics", headers=headers).text
     assert KEY not in text and 'verispec_rolling_tokens_per_call{scope="key:' in text
+
+
+def _run_alone(scheduler, prompt, max_tokens, sampling):
+    events = queue.Queue()
+    scheduler.submit(GenerationRequest(prompt, max_tokens, sampling, [], events.put))
+    tokens, step = [], None
+    while step is None or step.finish_reason is None:
+        step = events.get(timeout=60)
+        tokens += step.token_ids
+    return tokens, step.stats
+
+
+@pytest.mark.parametrize("control", ["adaptive", "fixed"])
+def test_a_request_the_drafter_cannot_follow_is_decoded_plainly_unless_gamma_is_fixed(target, control):
+    anti = DraftModel(anti_copy(target.model))  # its top tokens are the target's least likely: nothing is accepted
+    config = SchedulerConfig(gamma=4, adaptive_gamma=control == "adaptive")
+    scheduler = Scheduler(target.model, anti, target.tokenizer, config)
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        tokens, stats = _run_alone(scheduler, prompt, 48, SamplingParams())
+        _, seeded = _run_alone(scheduler, prompt, 12, SamplingParams(temperature=0.8, seed=3))
+    finally:
+        scheduler.stop()
+    assert tokens == SpeculativeDecoder(target).generate(prompt, 48, stop=[]).token_ids  # exact either way
+    drafting_rounds = sum(1 for drafted in stats.drafted_per_round if drafted)
+    if control == "fixed":
+        assert all(drafted > 0 for drafted in stats.drafted_per_round[:-1])
+    else:  # the controller gives up after a few rejected rounds and only probes now and then
+        assert drafting_rounds <= len(stats.drafted_per_round) // 3, stats.drafted_per_round
+    # A seeded request is never controlled: its random stream must not depend on timings.
+    assert all(drafted > 0 for drafted in seeded.drafted_per_round[:-1])

@@ -56,6 +56,12 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.draft_confidence is not None and not 0.0 <= args.draft_confidence < 1.0:
         raise ValueError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
+    if hasattr(args, "local_window"):
+        from verispec.far_memory_cli import far_memory_from_args
+
+        far_memory_from_args(args, None if hasattr(args, "draft_attention") else "fold")  # raises naming the bad option
+        if getattr(args, "draft_attention", "full") != "full" and args.drafter != "eagle":
+            raise ValueError(f"--draft-attention {args.draft_attention} changes the EAGLE head's attention: it needs --drafter eagle")
 
 
 def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: ANN001 - LoadedModels
@@ -106,7 +112,10 @@ def _build_parser() -> argparse.ArgumentParser:
     from verispec.eagle_cli import add_eagle_parser
 
     add_eagle_parser(commands)
-    add_attack_parser(commands)
+    from verispec.parallel_cli import add_parallel_parser
+
+    add_parallel_parser(commands)
+    add_attack_parser(commands, _add_sampling_options, _add_kernel_options)
 
     costs = commands.add_parser("costs", help="forward-pass cost by number of new tokens, per kernel setting (what decides gamma here)")
     costs.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
@@ -117,6 +126,7 @@ def _build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     costs.add_argument("--cache-dir", type=Path, default=None)
     costs.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="also time this EAGLE head's steps, over its draft vocabulary and the full one (default: the head `verispec eagle build` made, if any)")
+    costs.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="also time this parallel head's drafting per proposed token next to the EAGLE head's (default: the head `verispec parallel train` made, if any)")
     costs.set_defaults(handler=_costs)
     return parser
 
@@ -126,8 +136,14 @@ def _add_loading_options(sub: argparse.ArgumentParser) -> None:
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
-    sub.add_argument("--drafter", choices=["draft-model", "ngram", "eagle", "none"], default="draft-model", help="how drafts are made: a small draft model (default), prompt lookup (ngram), an EAGLE head (eagle, see --eagle-head), or none (plain decoding)")
+    sub.add_argument("--drafter", choices=["draft-model", "ngram", "eagle", "parallel", "none"], default="draft-model", help="how drafts are made: a small draft model (default), prompt lookup (ngram), an EAGLE head (eagle, see --eagle-head), a parallel head (parallel, see --parallel-head), or none (plain decoding)")
     sub.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for --drafter eagle (default <cache>/eagle/<target>/head.safetensors, made by `verispec eagle build`)")
+    from verispec.parallel_cli import add_parallel_drafter_options
+
+    add_parallel_drafter_options(sub)
+    from verispec.far_memory_cli import add_far_memory_options
+
+    add_far_memory_options(sub)
     sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
     sub.add_argument("--gamma", type=int, default=4, help="draft tokens per target call (default 4)")
     sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -146,6 +162,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
     serve.add_argument("--gamma-full-batch", type=int, default=1, help="batches up to this size draft the full --gamma (default 1: measured on 2 CPU cores, speculation pays for a lone request only)")
     serve.add_argument("--gamma-off-batch", type=int, default=2, help="batches of this size or more decode plainly, gamma 0 (default 2); gamma tapers in between")
+    serve.add_argument("--gamma-control", choices=["adaptive", "fixed"], default="adaptive", help="adaptive (default): each unseeded request drafts 0..gamma a round from its own acceptance and the measured costs, decoding plainly while its text defeats the drafter (rejection attacks included); fixed: always the batch policy's gamma. Seeded requests always use the policy's gamma, so their text depends on prompt and seed only")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
     serve.set_defaults(handler=_serve)
 
@@ -160,7 +177,9 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
 
 def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
     from verispec.bench.methods import DEFAULT_METHODS, METHODS, QUICK_METHODS
+    from verispec.bench.long_context import DEFAULT_LONG_LENGTHS, LONG_SPLITS
     from verispec.bench.prompts import DEFAULT_SPEC_BENCH
+    from verispec.far_memory_cli import add_far_memory_options
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     bench = commands.add_parser(
@@ -179,11 +198,14 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
     bench.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for the methods that use one (default {DEFAULT_DRAFT}); loaded only if needed")
     bench.add_argument("--methods", default=None, metavar="A,B", help=f"comma list of methods (below); default: {','.join(DEFAULT_METHODS)}; with --quick: {','.join(QUICK_METHODS)}")
-    bench.add_argument("--set", dest="sets", default=None, metavar="SETS", help="prompt sets, comma list of humaneval, spec-bench, file (default humaneval,spec-bench; file when --prompts is given)")
+    bench.add_argument("--set", dest="sets", default=None, metavar="SETS", help="prompt sets, comma list of humaneval, spec-bench, file, long (default humaneval,spec-bench; file when --prompts is given); long: stdlib modules cut to --lengths tokens with a request at the end, one category per length")
+    bench.add_argument("--lengths", default=",".join(map(str, DEFAULT_LONG_LENGTHS)), metavar="N,M", help=f"--set long: prompt lengths in tokens, chat template included (default {','.join(map(str, DEFAULT_LONG_LENGTHS))})")
+    bench.add_argument("--split", choices=LONG_SPLITS, default="eval", help="--set long: dev (for choosing --local-window etc.) or eval modules, disjoint (default eval)")
     bench.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl", help='user prompts, one JSON object a line: {"id"?, "category"?, "prompt": str} or {..., "turns": [str, ...]}')
     bench.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
     bench.add_argument("--categories", default=None, metavar="A,B", help="comma list of categories to keep (e.g. humaneval,coding,rag)")
     bench.add_argument("--num-prompts", type=int, default=None, metavar="N", help="at most N prompts per category; HumanEval is one category (default 8 HumanEval and 1 per Spec-Bench category, all of a --prompts file; --quick: 2 HumanEval, 1 per Spec-Bench category)")
+    bench.add_argument("--raw", action="store_true", help="continue each prompt's text as it is, without the chat template (as /v1/completions does)")
     bench.add_argument("--multi-turn", action="store_true", help="also run the later turns of multi-turn prompts, after our plain decoding's answer to the earlier turns")
     bench.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="new tokens at most (default 128; --quick: 32)")
     bench.add_argument("--gamma", type=int, default=6, help="draft tokens per target call for our speculative methods (the maximum for -adaptive) (default 6, the best fixed value measured for the built-in pair on HumanEval)")
@@ -192,6 +214,8 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
     _add_kernel_options(bench)
     bench.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for the eagle methods (default <cache>/eagle/<target>/head.safetensors)")
+    bench.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for the parallel methods (default <cache>/eagle/<target>/parallel.safetensors)")
+    add_far_memory_options(bench, with_mode=False)  # eagle-local / eagle-fold set the mode
     bench.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory (default bench-results/<timestamp>/)")
     bench.add_argument("--quick", action="store_true", help="a small preset for iteration: 2 HumanEval prompts + 1 per Spec-Bench category, 32 new tokens, methods plain,draft-model,ngram (about 10-15 minutes for the built-in models on a 2-core CPU); explicit options override it")
     bench.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short untimed run of each method before timing")
@@ -225,16 +249,23 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     eagle_head = _eagle_head_path(args) if args.drafter == "eagle" else None
+    from verispec.parallel_cli import parallel_drafter_from_args, parallel_head_path
+
+    parallel_head = parallel_head_path(args) if args.drafter == "parallel" else None
     started = time.perf_counter()
     target = load_model(args.target, cache_dir=args.cache_dir)
     draft = None
     if args.drafter == "draft-model" and args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)
     _prepare_models(args, target, draft)
-    if eagle_head is not None:
+    if parallel_head is not None:
+        drafter = parallel_drafter_from_args(args, target, parallel_head)
+    elif eagle_head is not None:
         from verispec.drafters.eagle import EagleDrafter
 
-        drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8")
+        from verispec.far_memory_cli import far_memory_from_args
+
+        drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args))
     else:
         drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence) if draft is not None else None
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
@@ -288,7 +319,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
     policy = BatchGammaPolicy(full_until=args.gamma_full_batch, off_from=args.gamma_off_batch)
-    scheduler = SchedulerConfig(gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy)
+    scheduler = SchedulerConfig(gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy, adaptive_gamma=args.gamma_control == "adaptive")
     config = ServeConfig(model_id=args.model_id or args.target, api_key=args.api_key, default_max_tokens=args.default_max_tokens, scheduler=scheduler)
     target, drafter = _load_target_and_drafter(args)
     app = create_app(config, target, drafter)
@@ -396,6 +427,9 @@ def _costs(args: argparse.Namespace) -> int:
             rows[f"eagle int8, {len(reduced.vocab_ids)} vocab"] = eagle_costs(EagleDrafter(target, head_path, quantize=True), args.context, counts, args.repeats)
         rows["eagle, full vocab"] = eagle_costs(EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
+    from verispec.parallel_cli import print_proposal_costs
+
+    print_proposal_costs(args, target, head_path)
     del target
     if args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)
@@ -435,10 +469,10 @@ def _bench_preset(quick: bool) -> _BenchPreset:
         # 2-core CPU with the built-in pair (target step ~0.3 s, draft step ~0.12 s, prefill ~25 ms a
         # token): per method ~60 s of target prefill + ~140 s of decoding (+25 s of draft prefill for
         # draft-model) -> ~11 min with warm-up and loading; 15 min if decoding runs at 0.45 s a token.
-        return _BenchPreset(QUICK_METHODS, 32, {"humaneval": 2, "spec-bench": 1, "file": None})
+        return _BenchPreset(QUICK_METHODS, 32, {"humaneval": 2, "spec-bench": 1, "file": None, "long": 1})
     # The issue's set: HumanEval x8 + Spec-Bench x1 per category (13), 128 new tokens, 8 methods:
     # ~4.5 min a prompt for all methods (prefill ~25 ms a token per method) -> ~95 minutes.
-    return _BenchPreset(DEFAULT_METHODS, 128, {"humaneval": 8, "spec-bench": 1, "file": None})
+    return _BenchPreset(DEFAULT_METHODS, 128, {"humaneval": 8, "spec-bench": 1, "file": None, "long": 2})
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -452,6 +486,7 @@ def _bench(args: argparse.Namespace) -> int:
     from verispec.bench.plots import write_plots
     from verispec.bench.runner import BenchRun, BenchSettings, count_runs, run_bench
     from verispec.bench.summary import reference_method, summarize
+    from verispec.far_memory_cli import far_memory_from_args
     from verispec.models import load_model
 
     # Validate everything cheap before minutes of model loading.
@@ -460,10 +495,15 @@ def _bench(args: argparse.Namespace) -> int:
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else preset.max_new_tokens
     sampling = _check_decoding_options(args, max_new_tokens)
     prompts, per_set = _bench_prompts(args, preset)
+    if args.raw and args.multi_turn:
+        raise ValueError("--raw prompts are single texts to continue; they cannot be combined with --multi-turn")
     needs_draft = any(METHODS[name].needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
         raise ValueError(f"--draft none, but {', '.join(n for n in names if METHODS[n].needs_draft)} need(s) a draft model")
     eagle_head = _eagle_head_path(args) if any(name.startswith("eagle") for name in names) else None
+    from verispec.parallel_cli import parallel_head_path
+
+    parallel_head = parallel_head_path(args) if any(name.startswith("parallel") for name in names) else None
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     out_dir = args.out if args.out is not None else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -479,10 +519,13 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("the target has no tokenizer; benchmark prompts are text")
     if args.multi_turn and not target.tokenizer.chat_template and any(p.follow_ups for p in prompts):
         raise ValueError("--multi-turn needs a target with a chat template (to place earlier answers in the conversation)")
+    if "long" in per_set:  # its prompts are cut to token lengths: they need the tokenizer
+        prompts, per_set = _bench_prompts(args, preset, target.tokenizer)
     eagle_quantize = args.draft_quantize == "int8"
-    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, eagle_quantize) for name in names}
+    far_memory = far_memory_from_args(args, "fold")
+    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, eagle_quantize, far_memory, parallel_head) for name in names}
     answer_method = build_method("plain", target, None, args.gamma) if args.multi_turn and "plain" not in methods else None
-    settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup)
+    settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup, chat=not args.raw)
 
     recorded = {
         "target": args.target,
@@ -492,8 +535,11 @@ def _bench(args: argparse.Namespace) -> int:
         "num_prompts_per_category": per_set,
         "categories": args.categories,
         "spec_bench": str(args.spec_bench) if "spec-bench" in per_set else None,
+        "long": {"lengths": args.lengths, "split": args.split} if "long" in per_set else None,
+        "far_memory": {"local_window": args.local_window, "memory_temperature": args.memory_temperature, "memory_weight": args.memory_weight},
         "prompts_file": str(args.prompts) if args.prompts else None,
         "multi_turn": args.multi_turn,
+        "raw": args.raw,
         "max_new_tokens": max_new_tokens,
         "gamma": args.gamma,
         "temperature": args.temperature,
@@ -542,6 +588,8 @@ def _bench(args: argparse.Namespace) -> int:
         if baseline is not None and len(summaries) > 1:
             print(f"\nmedian speed-up vs {baseline} by category:")
             print(report.terminal_table(*report.category_table(summaries, baseline)))
+            print(f"\ntau, alpha and decode speed-up (prefill excluded, median vs {baseline}) by category:")
+            print(report.terminal_table(*report.category_detail_table(summaries, baseline)))
     state = "" if run.complete else f" (PARTIAL: {run.stopped_by})"
     print(f"\nresults{state}: {out_dir / 'results.json'}, {out_dir / 'report.md'}", file=sys.stderr)
     if isinstance(run.error, KeyboardInterrupt):
@@ -551,14 +599,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_prompts(args: argparse.Namespace, preset: _BenchPreset):
-    """The prompts of the chosen sets, filtered; and the per-category limit used for each set."""
+def _bench_prompts(args: argparse.Namespace, preset: _BenchPreset, tokenizer=None):  # noqa: ANN001 - a transformers tokenizer
+    """The prompts of the chosen sets, filtered; and the per-category limit used for each set.
+
+    The long set needs the target's tokenizer: without one it is only validated (no prompts yet).
+    """
+    from verispec.bench.long_context import long_context_prompts, parse_lengths
     from verispec.bench.prompts import first_per_category, humaneval_prompts, prompts_from_file, spec_bench_prompts
 
     sets = list(dict.fromkeys(s.strip() for s in (args.sets or ("file" if args.prompts else "humaneval,spec-bench")).split(",") if s.strip()))
-    unknown = [s for s in sets if s not in ("humaneval", "spec-bench", "file")]
+    unknown = [s for s in sets if s not in ("humaneval", "spec-bench", "file", "long")]
     if unknown or not sets:
-        raise ValueError(f"--set: unknown {', '.join(map(repr, unknown)) or 'empty list'}; choose from humaneval, spec-bench, file")
+        raise ValueError(f"--set: unknown {', '.join(map(repr, unknown)) or 'empty list'}; choose from humaneval, spec-bench, file, long")
+    lengths = parse_lengths(args.lengths)
     if "file" in sets and args.prompts is None:
         raise ValueError("--set file needs --prompts FILE.jsonl")
     if "file" not in sets and args.prompts is not None:
@@ -571,10 +624,12 @@ def _bench_prompts(args: argparse.Namespace, preset: _BenchPreset):
         "humaneval": lambda: humaneval_prompts(),
         "spec-bench": lambda: spec_bench_prompts(args.spec_bench),
         "file": lambda: prompts_from_file(args.prompts),
+        "long": lambda: long_context_prompts(tokenizer, lengths, args.split, per_length=None) if tokenizer is not None else [],
     }
     every = {s: loaded[s]() for s in sets}
     if categories is not None:
         known = list(dict.fromkeys(p.category for ps in every.values() for p in ps))
+        known += [f"long-{length}" for length in lengths if "long" in sets and tokenizer is None]
         unknown = [c for c in categories if c not in known]
         if unknown:
             raise ValueError(f"--categories: unknown {', '.join(unknown)}; the chosen sets have {', '.join(known)}")
@@ -582,7 +637,7 @@ def _bench_prompts(args: argparse.Namespace, preset: _BenchPreset):
     for s in sets:
         kept = [p for p in every[s] if categories is None or p.category in categories]
         prompts += first_per_category(kept, per_set[s])
-    if not prompts:
+    if not prompts and (tokenizer is not None or "long" not in sets):
         raise ValueError("no prompts selected (check --set and --categories)")
     ids = [p.id for p in prompts]
     if len(set(ids)) != len(ids):

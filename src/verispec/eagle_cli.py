@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from verispec.argtypes import positive_int
+
 
 def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
     from verispec.models import DEFAULT_TARGET
@@ -18,7 +20,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
         sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
-        sub.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's choice)")
+        sub.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
 
     def sequence_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--max-seq-len", type=int, default=1024, help="tokens per training sequence at most (default 1024)")
@@ -54,6 +56,9 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--gamma", type=int, default=6, help="drafts per round (default 6)")
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
         sub.add_argument("--draft-quantize", choices=["int8", "none"], default="none", help="int8: the head with int8 linears (default none)")
+        from verispec.far_memory_cli import add_far_memory_options
+
+        add_far_memory_options(sub)
 
     steps_table = (
         ("extract", "run the frozen target over the standard-library corpus; save (tokens, features) shards; resumable", _extract, (sequence_options, extract_options)),
@@ -76,17 +81,6 @@ def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     default = default_head_path(args.target, args.cache_dir)
     head = getattr(args, "out", None) or default
     return default.parent / "features", default.parent / "answers", Path(head)
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: refuses 0, negatives and non-integers at parse time, naming the option."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _setup(args: argparse.Namespace):  # noqa: ANN202 - the loaded target
@@ -206,11 +200,15 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.gamma < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --gamma and --max-new-tokens must be >= 1")
+    from verispec.far_memory_cli import far_memory_from_args
+
+    far_memory = far_memory_from_args(args)  # before minutes of loading
     from verispec.drafters.eagle import existing_head_path
 
     head_path = existing_head_path(args.head, args.target, args.cache_dir)
     target = _setup(args)
-    decoder = SpeculativeDecoder(target, EagleDrafter(target, head_path, quantize=args.draft_quantize == "int8"), gamma=args.gamma)
+    drafter = EagleDrafter(target, head_path, quantize=args.draft_quantize == "int8", far_memory=far_memory)
+    decoder = SpeculativeDecoder(target, drafter, gamma=args.gamma)
     drafted, accepted, calls, emitted = [], [], 0, 0
     for prompt in tqdm(humaneval_prompts(args.num_prompts), desc="eval", unit="prompt", file=sys.stderr):
         result = decoder.generate(encode_prompt(target.tokenizer, prompt.text), args.max_new_tokens)

@@ -5,8 +5,9 @@ expected acceptance at a position is
 
     accept(position) = sum_x min(p_target(x), q_draft(x)) = 1 - TV(p_target, q_draft).
 
-The attack searches a suffix s (``suffix_tokens`` tokens appended to the prompt) minimising the
-mean of accept() over the target's own greedy continuation of prompt + s (teacher-forced: one
+The attack searches a suffix s (``suffix_tokens`` tokens placed after the prompt - by the caller's
+``attacked_ids``, e.g. at the end of the user's message, where planted content sits) minimising the
+mean of accept() over the target's own greedy continuation of the attacked prompt (teacher-forced: one
 target pass and one draft pass score a candidate), optionally plus ``quality_weight`` × the
 target's mean negative log-likelihood of the clean continuation after the attacked prompt — a
 penalty keeping the answer what it was (stealth) at the cost of attack strength. The search is
@@ -17,6 +18,7 @@ if it improves. Output stays exact whatever the suffix: only speed is attacked.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,23 +76,25 @@ def _mean_nll(target, ids: list[int], start: int) -> float:  # noqa: ANN001
 def search_suffix(
     target,  # noqa: ANN001 - a causal LM (or LoadedModel)
     draft,  # noqa: ANN001 - the drafter's model
-    prompt_ids: list[int],
+    attacked_ids: Callable[[list[int]], list[int]],  # suffix token ids -> the full attacked prompt's ids
     settings: AttackSettings,
     allowed_tokens: list[int],
     *,
     progress: bool = False,
 ) -> AttackResult:
-    """Search a suffix for ``prompt_ids`` that minimises the draft's expected acceptance."""
-    if not prompt_ids or not allowed_tokens:
-        raise ValueError("prompt_ids and allowed_tokens must not be empty")
+    """Search a suffix minimising the draft's expected acceptance; ``attacked_ids([])`` is the clean prompt."""
+    if not allowed_tokens:
+        raise ValueError("allowed_tokens must not be empty")
+    if not attacked_ids([]):
+        raise ValueError("attacked_ids([]) (the clean prompt) must not be empty")
     target_model, _ = unwrap_model(target, argument="target")
     draft_model, _ = unwrap_model(draft, argument="draft")
     plain = SpeculativeDecoder(target_model)
-    clean_answer = plain.generate(prompt_ids, settings.continuation_tokens, stop=[]).token_ids
+    clean_answer = plain.generate(attacked_ids([]), settings.continuation_tokens, stop=[]).token_ids
     rng = random.Random(settings.seed)
 
     def evaluate(suffix: list[int]) -> tuple[float, float]:
-        attacked = prompt_ids + suffix
+        attacked = attacked_ids(suffix)
         answer = plain.generate(attacked, settings.continuation_tokens, stop=[]).token_ids
         acceptance = expected_acceptance(target_model, draft_model, attacked + answer, len(attacked))
         score = acceptance
@@ -102,7 +106,7 @@ def search_suffix(
     best_score, best_acceptance = evaluate(suffix)
     initial = best_acceptance
     history = []
-    for _ in tqdm(range(settings.steps), desc="attack", unit="step", disable=not progress):
+    for _ in tqdm(range(settings.steps), desc="attack search", unit="step", disable=not progress):
         for _ in range(settings.candidates):
             candidate = list(suffix)
             candidate[rng.randrange(len(candidate))] = rng.choice(allowed_tokens)

@@ -87,3 +87,31 @@ def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repea
                 cache.crop(context_tokens)
             costs.append(ForwardCost(count, statistics.median(times[1:])))
     return costs
+
+
+def proposal_cost(drafter, context_tokens: int, num_drafts: int, repeats: int = 5) -> float:  # noqa: ANN001 - a Drafter that needs target features
+    """Median seconds per PROPOSED token of one round's drafting, any feature-reading drafter.
+
+    The session first reads ``context_tokens`` random features (the catch-up, untimed); each timed
+    ``propose`` then drafts ``num_drafts`` tokens with nothing new to read: EAGLE's num_drafts - 1
+    sequential head steps, or the parallel head's one block pass (+ its correction pass).
+    """
+    import torch
+
+    from verispec.drafters.base import DraftContext
+    from verispec.sampling import SamplingParams
+
+    if context_tokens < 1 or num_drafts < 1 or repeats < 1:
+        raise ValueError("context_tokens, num_drafts and repeats must be >= 1")
+    generator = torch.Generator().manual_seed(0)
+    hidden = drafter.embed.weight.shape[1]
+    tokens = [(7 * i + 11) % drafter.embed.weight.shape[0] for i in range(context_tokens + 1)]
+    session = drafter.start(tokens, SamplingParams())
+    session.propose(DraftContext(tokens, torch.randn(context_tokens, hidden, generator=generator), 0), num_drafts, generator)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        started = time.perf_counter()
+        proposal = session.propose(DraftContext(tokens), num_drafts, generator)
+        times.append((time.perf_counter() - started) / max(1, len(proposal.tokens)))
+    session.close()
+    return statistics.median(times[1:])

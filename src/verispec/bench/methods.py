@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +37,12 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("ngram+draft", "ours", True, "prompt lookup when it matches, the draft model otherwise (CombinedDrafter)"),
         MethodSpec("eagle", "ours", False, "EAGLE head on the target's features (--eagle-head), gamma drafts a round"),
         MethodSpec("eagle-adaptive", "ours", False, "EAGLE head, 0..gamma drafts a round (adaptive_gamma)"),
+        MethodSpec("eagle-local", "ours", False, "EAGLE head attending to the last --local-window tokens only (truncation)"),
+        MethodSpec("eagle-fold", "ours", False, "EAGLE head with far memory (FOLD: --local-window, --memory-temperature, --memory-weight)"),
+        MethodSpec("eagle-local-adaptive", "ours", False, "eagle-local, 0..gamma drafts a round (adaptive_gamma)"),
+        MethodSpec("eagle-fold-adaptive", "ours", False, "eagle-fold, 0..gamma drafts a round (adaptive_gamma)"),
+        MethodSpec("parallel", "ours", False, "parallel head (--parallel-head): a block of K drafts from one pass, top-1 per position"),
+        MethodSpec("parallel-corrected", "ours", False, "parallel head + contextual correction: 3 candidates a position, best path by pair fit"),
         MethodSpec("hf-plain", "hf", False, "transformers generate(), greedy or sampling"),
         MethodSpec("hf-assisted", "hf", True, "transformers assisted generation (assistant_model=draft), default settings"),
         MethodSpec("hf-lookup", "hf", False, "transformers prompt lookup (prompt_lookup_num_tokens=10)"),
@@ -44,8 +50,8 @@ METHODS: dict[str, MethodSpec] = {
 }
 # The full run: every method but ngram-adaptive (lookup drafts cost nothing, so adapting their
 # number changes little), to keep 21 prompts x 8 methods at ~90 minutes on the 2-core CPU.
-# EAGLE methods need a trained head (--eagle-head), so they run when asked for.
-DEFAULT_METHODS = tuple(name for name in METHODS if name != "ngram-adaptive" and not name.startswith("eagle"))
+# EAGLE and parallel methods need a trained head (--eagle-head, --parallel-head), so they run when asked for.
+DEFAULT_METHODS = tuple(name for name in METHODS if name != "ngram-adaptive" and not name.startswith(("eagle", "parallel")))
 QUICK_METHODS = ("plain", "draft-model", "ngram")  # --quick: the baseline and our two drafters
 REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-output references, in order of preference
 
@@ -72,6 +78,7 @@ class RunOutput:
     # Per verification round (ours only; None for Hugging Face, whose rounds we do not observe):
     drafted_per_round: list[int] | None = None
     accepted_per_round: list[int] | None = None
+    prefill_seconds: float | None = None  # ours: the target's prompt prefill within ``seconds`` (None for Hugging Face)
 
 
 class Method(Protocol):
@@ -104,6 +111,7 @@ class OursMethod:
             draft_calls=stats.draft_calls if self.decoder.drafter is not None else None,
             drafted_per_round=list(stats.drafted_per_round),
             accepted_per_round=list(stats.accepted_per_round),
+            prefill_seconds=stats.prefill_s,
         )
 
 
@@ -155,12 +163,18 @@ def build_method(
     draft_confidence: float | None = None,
     eagle_head: Any | None = None,
     eagle_quantize: bool = False,
+    far_memory: Any | None = None,
+    parallel_head: Any | None = None,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
     ``draft_confidence``: our draft-model methods stop a round's drafting below this probability.
     ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods;
     ``eagle_quantize``: run it with int8 linears.
+    ``far_memory``: the ``FarMemoryConfig`` whose window / temperature / weight eagle-local and
+    eagle-fold use (each sets its own mode; default: the config's defaults); eagle and
+    eagle-adaptive always attend as trained.
+    ``parallel_head``: the parallel head (checkpoint path or ``ParallelHead``) for the parallel methods.
     """
     spec = METHODS[name]
     if spec.needs_draft and draft is None:
@@ -180,7 +194,17 @@ def build_method(
 
         if eagle_head is None:
             raise ValueError(f"method {name!r} needs an EAGLE head (--eagle-head PATH; `verispec eagle build` trains one)")
-        drafter = EagleDrafter(target, eagle_head, quantize=eagle_quantize)
+        from verispec.drafters.far_memory import FarMemoryConfig
+
+        mode = {"eagle-local": "local", "eagle-fold": "fold"}.get(name.removesuffix("-adaptive"))
+        settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
+        drafter = EagleDrafter(target, eagle_head, quantize=eagle_quantize, far_memory=settings)
+    elif name.startswith("parallel"):
+        from verispec.drafters.parallel import ParallelDrafter
+
+        if parallel_head is None:
+            raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
+        drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", name=name)
     elif name.startswith("ngram+"):
         drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence))
     else:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from verispec.bench.runner import BenchRun, Row
-from verispec.bench.summary import MethodSummary, SpeedUp
+from verispec.bench.summary import CategorySummary, MethodSummary, SpeedUp
 
 RSS_NOTE = (
     "Peak RSS is the whole process's resident memory, sampled every 20 ms while the method ran: it "
@@ -104,17 +104,33 @@ def summary_table(
 def category_table(summaries: Sequence[MethodSummary], baseline: str) -> tuple[list[str], list[list[str]]]:
     """Median speed-up over ``baseline`` per category (rows) and method (columns)."""
     methods = [s for s in summaries if s.method != baseline]
-    categories = list(dict.fromkeys(c for s in summaries for c in s.by_category))
-    header = ["category", *[s.method for s in methods]]
-    rows = []
-    for category in categories:
-        cells = [category]
-        for s in methods:
-            entry = s.by_category.get(category)
-            cells.append(_speedup_cell(entry.speedup.get(baseline) if entry else None, mean=False))
-        rows.append(cells)
+    rows = _category_rows(summaries, methods, lambda entry: _speedup_cell(entry.speedup.get(baseline) if entry else None, mean=False))
     rows.append(["all", *[_speedup_cell(s.speedup.get(baseline), mean=False) for s in methods]])
-    return header, rows
+    return ["category", *[s.method for s in methods]], rows
+
+
+def category_detail_table(summaries: Sequence[MethodSummary], baseline: str) -> tuple[list[str], list[list[str]]]:
+    """Per category and method: tau, alpha and the median speed-up of decoding after the prefill over ``baseline``.
+
+    Long prompts need it: their prefill (the same for every method) dominates the wall-clock.
+    """
+
+    def cell(entry: CategorySummary | None) -> str:
+        if entry is None:
+            return "-"
+        tau = "-" if entry.tokens_per_call is None else f"{entry.tokens_per_call:.2f}"
+        alpha = "-" if entry.acceptance_rate is None else f"{entry.acceptance_rate:.2f}"
+        return f"τ {tau} α {alpha} decode {_speedup_cell(entry.decode_speedup.get(baseline), mean=False)}"
+
+    return ["category", *[s.method for s in summaries]], _category_rows(summaries, summaries, cell)
+
+
+def _category_rows(
+    summaries: Sequence[MethodSummary], methods: Sequence[MethodSummary], cell: Callable[[CategorySummary | None], str]
+) -> list[list[str]]:
+    """One row per category (in order of appearance): the category, then ``cell`` of each method's entry."""
+    categories = list(dict.fromkeys(c for s in summaries for c in s.by_category))
+    return [[category, *[cell(s.by_category.get(category)) for s in methods]] for category in categories]
 
 
 def terminal_table(header: list[str], rows: list[list[str]]) -> str:
@@ -160,6 +176,8 @@ def markdown_report(payload: dict[str, Any], summaries: Sequence[MethodSummary],
     if baseline is not None and len(summaries) > 1:
         out += [f"## Speed-up by category (median over prompts, vs {baseline})", ""]
         out += [markdown_table(*category_table(summaries, baseline)), ""]
+        out += [f"## τ, α and decode speed-up (prefill excluded, median vs {baseline}) by category", ""]
+        out += [markdown_table(*category_detail_table(summaries, baseline)), ""]
     positions = [s for s in summaries if s.acceptance_by_position]
     if positions:
         longest = max(len(s.acceptance_by_position) for s in positions)

@@ -30,6 +30,7 @@ class BenchSettings:
     sampling: SamplingParams
     multi_turn: bool = False  # run every turn of multi-turn prompts, not just the first
     warmup: bool = True
+    chat: bool = True  # False: each prompt is raw text to continue (no chat template), as /v1/completions takes it
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Row:
     drafted_per_round: list[int] | None  # None: not observable (Hugging Face methods)
     accepted_per_round: list[int] | None
     token_ids: list[int]
+    prefill_seconds: float | None = None  # the target's prompt prefill within ``seconds``; None: not observable (HF)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -60,6 +62,13 @@ class Row:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Throughput after the prompt's prefill (what long prompts would otherwise hide); 0 if unknown."""
+        if self.prefill_seconds is None or self.seconds - self.prefill_seconds <= 0:
+            return 0.0
+        return self.new_tokens / (self.seconds - self.prefill_seconds)
 
 
 @dataclass
@@ -104,14 +113,14 @@ def run_bench(
     monitor = PeakRss().start()
     try:
         if settings.warmup:
-            first = conversation_ids(tokenizer, [{"role": "user", "content": prompts[0].text}])
+            first = conversation_ids(tokenizer, [{"role": "user", "content": prompts[0].text}], settings.chat)
             for method in methods.values():
                 method.run(first, min(WARMUP_TOKENS, settings.max_new_tokens), settings.sampling)
         for prompt in prompts:
             messages: list[dict[str, str]] = []
             for turn, text in enumerate(prompt.turns[: len(prompt.turns) if settings.multi_turn else 1], start=1):
                 messages.append({"role": "user", "content": text})
-                input_ids = conversation_ids(tokenizer, messages)
+                input_ids = conversation_ids(tokenizer, messages, settings.chat)
                 turn_rows = []
                 for name, method in methods.items():
                     with monitor.measuring(name):
@@ -139,14 +148,19 @@ def run_bench(
     return run
 
 
-def conversation_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat ready for the assistant's reply; a single user turn is exactly ``encode_prompt``."""
+def conversation_ids(tokenizer: Any, messages: list[dict[str, str]], chat: bool = True) -> list[int]:
+    """Token ids of a chat ready for the assistant's reply; a single user turn is exactly ``encode_prompt``.
+
+    ``chat=False``: the one message's raw text, to be continued (no template).
+    """
     from verispec.models import encode_prompt
 
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; benchmark prompts are text")
+    if not chat and len(messages) > 1:
+        raise ValueError("--raw prompts are single texts to continue; they cannot be combined with --multi-turn")
     if len(messages) == 1:
-        return encode_prompt(tokenizer, messages[0]["content"], chat=True)
+        return encode_prompt(tokenizer, messages[0]["content"], chat=chat)
     if not tokenizer.chat_template:
         raise ValueError("--multi-turn needs a target with a chat template (to place earlier answers in the conversation)")
     # Render, then encode, as encode_prompt does: the template spells out every special token.
@@ -168,4 +182,5 @@ def _row(prompt: Prompt, turn: int, method: str, input_ids: list[int], output: R
         drafted_per_round=output.drafted_per_round,
         accepted_per_round=output.accepted_per_round,
         token_ids=output.token_ids,
+        prefill_seconds=output.prefill_seconds,
     )

@@ -38,6 +38,11 @@ class CategorySummary:
     runs: int
     tokens_per_second: float
     speedup: dict[str, SpeedUp]  # baseline method -> speed-up over the category's prompts
+    acceptance_rate: float | None = None  # alpha within the category (None: nothing drafted / not observable)
+    tokens_per_call: float | None = None  # tau within the category
+    # Speed-up of the decoding after the prompt's prefill (ours only): on long prompts the prefill,
+    # the same for every method, dominates the wall-clock and hides what drafting changes.
+    decode_speedup: dict[str, SpeedUp] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,10 +61,17 @@ class MethodSummary:
     by_category: dict[str, CategorySummary]
 
 
-def speedup(rows: Sequence[Row], method: str, baseline: str) -> SpeedUp | None:
-    """Per-prompt ratio of tokens/s (method over baseline), then median and mean; None without pairs."""
-    base = {row.key: row.tokens_per_second for row in rows if row.method == baseline}
-    ratios = [row.tokens_per_second / base[row.key] for row in rows if row.method == method and base.get(row.key, 0) > 0]
+def speedup(rows: Sequence[Row], method: str, baseline: str, decode_only: bool = False) -> SpeedUp | None:
+    """Per-prompt ratio of tokens/s (method over baseline), then median and mean; None without pairs.
+
+    ``decode_only``: throughput after the prompt's prefill (rows that lack it are left out).
+    """
+
+    def rate(row: Row) -> float:
+        return row.decode_tokens_per_second if decode_only else row.tokens_per_second
+
+    base = {row.key: rate(row) for row in rows if row.method == baseline}
+    ratios = [rate(row) / base[row.key] for row in rows if row.method == method and base.get(row.key, 0) > 0 and rate(row) > 0]
     if not ratios:
         return None
     return SpeedUp(median=statistics.median(ratios), mean=statistics.fmean(ratios), prompts=len(ratios))
@@ -106,8 +118,8 @@ def summarize(rows: Sequence[Row], methods: Sequence[str], greedy: bool, peak_rs
     return summaries
 
 
-def _speedups(rows: Sequence[Row], method: str, baselines: Sequence[str]) -> dict[str, SpeedUp]:
-    found = {baseline: speedup(rows, method, baseline) for baseline in baselines}
+def _speedups(rows: Sequence[Row], method: str, baselines: Sequence[str], decode_only: bool = False) -> dict[str, SpeedUp]:
+    found = {baseline: speedup(rows, method, baseline, decode_only) for baseline in baselines}
     return {baseline: value for baseline, value in found.items() if value is not None}
 
 
@@ -157,5 +169,12 @@ def _by_category(rows: Sequence[Row], method: str, baselines: Sequence[str]) -> 
     for category in categories:
         in_category = [row for row in rows if row.category == category]
         own = [row for row in in_category if row.method == method]
-        result[category] = CategorySummary(runs=len(own), tokens_per_second=_throughput(own), speedup=_speedups(in_category, method, baselines))
+        result[category] = CategorySummary(
+            runs=len(own),
+            tokens_per_second=_throughput(own),
+            speedup=_speedups(in_category, method, baselines),
+            acceptance_rate=_acceptance_rate(own),
+            tokens_per_call=_tokens_per_call(own),
+            decode_speedup=_speedups(in_category, method, baselines, decode_only=True),
+        )
     return result

@@ -44,6 +44,23 @@ class Proposal:
             raise ValueError(f"Proposal.probs has {self.probs.shape[0]} rows for {len(self.tokens)} tokens")
 
 
+def unseen_context_rows(context: DraftContext, num_seen: int, drafter_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What a feature-reading session has not read yet: (f_i # [n, hidden], x_{i+1} # [n] long) for
+    positions i = num_seen .. num_seen+n-1, or None when nothing is new. A gap (features the
+    session was never handed) is a RuntimeError naming ``drafter_name``.
+    """
+    features = context.target_features  # [m, hidden] for positions features_start ..
+    if features is None or len(features) == 0:
+        return None
+    start = context.features_start
+    if start > num_seen:
+        raise RuntimeError(f"{drafter_name} session missed target features for positions {num_seen}..{start - 1}")
+    fresh = features[num_seen - start :]
+    if len(fresh) == 0:
+        return None
+    return fresh, torch.tensor(context.token_ids[num_seen + 1 : num_seen + 1 + len(fresh)])
+
+
 class DraftSession(Protocol):
     def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
         """Up to ``max_tokens`` (>= 1) drafts continuing ``context.token_ids``."""

@@ -55,7 +55,8 @@ class SpeculativeDecoder:
     ``target`` is a transformers causal LM or a ``LoadedModel``; ``drafter`` is any object
     implementing the :class:`~verispec.drafters.base.Drafter` protocol, or None for plain decoding.
     ``adaptive_gamma``: choose 0..gamma drafts each round from measured costs and acceptance
-    (:class:`~verispec.engine.gamma.AdaptiveGamma`) instead of always drafting gamma.
+    (:class:`~verispec.engine.gamma.AdaptiveGamma`) instead of always drafting gamma; pass an
+    ``AdaptiveGamma`` to set its priors or share its cost table (``costs``) between decoders.
     ``monitor``: an :class:`~verispec.engine.monitor.AcceptanceMonitor` that every round is reported
     to, in the scopes ``"global"`` and ``"generation:<n>"`` (forgotten when the generation ends);
     each step then carries the generation's rolling snapshot.
@@ -67,7 +68,7 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         gamma: int = 4,
         tokenizer: Any | None = None,
-        adaptive_gamma: bool = False,
+        adaptive_gamma: bool | AdaptiveGamma = False,
         monitor: AcceptanceMonitor | None = None,
     ) -> None:
         self.target, target_tokenizer = unwrap_model(target, argument="target")
@@ -80,7 +81,10 @@ class SpeculativeDecoder:
         self._generations = 0  # numbers the monitor's per-generation scopes
         # One controller per decoder: the measured costs (draft step, verify per row count) are
         # properties of the models and machine, so they carry over from one generation to the next.
-        self._gamma_controller = AdaptiveGamma(gamma) if adaptive_gamma and drafter is not None else None
+        if isinstance(adaptive_gamma, AdaptiveGamma) and adaptive_gamma.max_gamma != gamma:
+            raise ValueError(f"adaptive_gamma.max_gamma ({adaptive_gamma.max_gamma}) must equal gamma ({gamma})")
+        controller = adaptive_gamma if isinstance(adaptive_gamma, AdaptiveGamma) else AdaptiveGamma(gamma)
+        self._gamma_controller = controller if adaptive_gamma is not False and drafter is not None else None
         draft_tokenizer = getattr(drafter, "tokenizer", None)
         if self.tokenizer is not None and draft_tokenizer is not None:
             from verispec.models import check_same_tokenizer

@@ -6,7 +6,10 @@ reads the events a request's ``sink`` receives. The scheduler thread loops over 
 1. admit waiting requests up to ``max_batch`` (each prefilled alone, then merged into the batch
    cache) and drop cancelled ones, closing their drafter sessions;
 2. every running request drafts its own proposal: its own drafter session, its own seeded
-   ``torch.Generator``, gamma from :class:`~verispec.serving.gamma_policy.BatchGammaPolicy`;
+   ``torch.Generator``, gamma from :class:`~verispec.serving.gamma_policy.BatchGammaPolicy`,
+   lowered per request by its own :class:`~verispec.engine.gamma.AdaptiveGamma` (acceptance of
+   this request's text, costs shared by all) so text the drafter cannot follow - a rejection
+   attack included - is decoded plainly instead of slower than plainly;
 3. ONE target forward over all running requests (:class:`~verispec.serving.batch_cache.BatchedTarget`);
 4. each request verifies its rows with the single-sequence engine's own functions
    (:func:`~verispec.engine.decoder.verify_drafts`: ``greedy_verify`` / ``rejection_sample``), so
@@ -32,6 +35,7 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.base import Drafter, DraftSession, Proposal
 from verispec.engine.decoder import StepResult, checked_proposal, draft_context, validate_prompt, verify_drafts
+from verispec.engine.gamma import AdaptiveGamma, StepCosts
 from verispec.engine.monitor import AcceptanceMonitor
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
@@ -59,6 +63,8 @@ class SchedulerConfig:
     max_batch: int = 32  # requests running together; more wait in the queue
     max_queue: int = 64  # waiting requests; beyond this submit() raises QueueFullError
     gamma_policy: BatchGammaPolicy = field(default_factory=BatchGammaPolicy)
+    # Per-request acceptance control below the batch policy's gamma (unseeded requests: see _propose).
+    adaptive_gamma: bool = True
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
 
     def __post_init__(self) -> None:
@@ -110,9 +116,12 @@ class _Row:
     generator: torch.Generator
     session: DraftSession | None
     stats: GenerationStats
+    controller: AdaptiveGamma | None = None  # this request's acceptance-driven gamma (None: the policy's)
     unseen_features: list[torch.Tensor] = field(default_factory=list)  # each [n, hidden]
     last_emitted: float | None = None
     round_draft_s: float = 0.0  # this round's drafting time (the monitor charges it with the shared pass)
+    round_controlled: bool = False  # this round's gamma came from the controller: it learns from the outcome
+    drafted_before: bool = False  # a session's first proposal also pays the drafter's prompt prefill
 
     @property
     def scopes(self) -> tuple[str, str, str]:
@@ -139,6 +148,7 @@ class Scheduler:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self._wants_features = bool(drafter is not None and drafter.needs_target_features)
+        self._step_costs = StepCosts()  # shared by the requests' controllers: one target, one drafter
         self._waiting: deque[GenerationRequest] = deque()
         self._rows: list[_Row] = []  # the scheduler thread's alone
         self._lock = threading.Condition()
@@ -220,6 +230,9 @@ class Scheduler:
             return
         stats = GenerationStats(prompt_tokens=len(prompt), prefill_s=time.perf_counter() - prefill_started)
         row = _Row(request, list(prompt), stopper, request.sampling.make_generator(), session, stats)
+        # Seeded requests stay uncontrolled: their text must not depend on timings (see _propose).
+        if self.config.adaptive_gamma and session is not None and request.sampling.seed is None:
+            row.controller = AdaptiveGamma(self.config.gamma, costs=self._step_costs)
         if self._wants_features and len(features):
             row.unseen_features.append(features)
         self._rows.append(row)
@@ -273,6 +286,9 @@ class Scheduler:
         # A seeded request keeps the full gamma: its random stream (one uniform per draft) and so its
         # text then depend on its prompt and seed only, never on the traffic it shares rounds with.
         wanted = self.config.gamma if row.request.sampling.seed is not None and self.drafter is not None else gamma
+        row.round_controlled = row.controller is not None and gamma > 0
+        if row.round_controlled:  # the batch allows speculation; does this request's text pay for it?
+            wanted = min(wanted, row.controller.choose())
         num_draft = min(wanted, row.request.max_tokens - row.stats.new_tokens - 1)  # never draft what we could not emit
         if row.session is None or num_draft <= 0:
             return _NO_DRAFT
@@ -294,6 +310,10 @@ class Scheduler:
         row.tokens.extend(new_tokens)
         stats = row.stats
         stats.record_round(len(proposal.tokens), num_accepted, len(new_tokens), proposal.num_forward_passes)
+        if row.round_controlled:
+            passes = proposal.num_forward_passes if row.drafted_before else 0  # prefill is no draft step
+            row.controller.observe(len(proposal.tokens), num_accepted, row.round_draft_s, pass_s, passes)
+        row.drafted_before = row.drafted_before or proposal.num_forward_passes > 0
         now = time.perf_counter()
         stats.total_s = now - request.arrived
         self._record(row, len(proposal.tokens), num_accepted, len(new_tokens), now)

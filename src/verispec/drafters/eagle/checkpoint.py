@@ -62,12 +62,13 @@ def target_fingerprint(target: PreTrainedModel) -> str:
 
 def save_head(
     path: str | os.PathLike,
-    head: EagleHead,
+    head: torch.nn.Module,  # an EagleHead, or another head kind with a config.to_dict()
     *,
     draft_vocab: torch.Tensor | None,  # [draft_vocab] int64 token ids, or None for the full vocabulary
     fingerprint: str,
     dtype: torch.dtype = torch.float32,
     training: dict | None = None,
+    format: str = FORMAT,  # noqa: A002 - the file's format tag (another head kind passes its own)
 ) -> Path:
     """Write the head atomically (a crash leaves the previous file intact)."""
     path = Path(path)
@@ -76,7 +77,7 @@ def save_head(
     if draft_vocab is not None:
         tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
     metadata = {
-        "format": FORMAT,
+        "format": format,
         "config": json.dumps(head.config.to_dict()),
         "target_fingerprint": fingerprint,
         "training": json.dumps(training or {}),
@@ -87,17 +88,34 @@ def save_head(
     return path
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
+def read_metadata(path: str | os.PathLike, format: str = FORMAT, kind: str = "EAGLE head") -> dict:  # noqa: A002
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
     except Exception as error:  # safetensors raises its own error types for a damaged header
-        raise ValueError(f"{path} is not a verispec EAGLE head (unreadable safetensors: {error})") from None
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a verispec EAGLE head (format {metadata.get('format')!r}, expected {FORMAT!r})")
+        raise ValueError(f"{path} is not a verispec {kind} (unreadable safetensors: {error})") from None
+    if metadata.get("format") != format:
+        raise ValueError(f"{path} is not a verispec {kind} (format {metadata.get('format')!r}, expected {format!r})")
     return metadata
+
+
+def check_target(path: Path, metadata: dict, config: EagleConfig, target: PreTrainedModel, kind: str, how_to_train: str) -> None:
+    """Refuse a head (``config`` from its ``metadata``) made for another target's shape or weights."""
+    expected = EagleConfig.for_target(target.config, config.intermediate_size)
+    for field in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+        if getattr(config, field) != getattr(expected, field):
+            raise EagleHeadMismatchError(
+                f"{kind} {path.name} was trained for a target with {field}={getattr(config, field)}, "
+                f"this target has {getattr(expected, field)}"
+            )
+    fingerprint = target_fingerprint(target)
+    if metadata["target_fingerprint"] != fingerprint:
+        raise EagleHeadMismatchError(
+            f"{kind} {path.name} was trained for a different target (fingerprint {metadata['target_fingerprint']}, "
+            f"this target {fingerprint}): train one for it with {how_to_train}"
+        )
 
 
 def load_head(path: str | os.PathLike, target: PreTrainedModel) -> tuple[EagleHead, torch.Tensor | None]:
@@ -107,19 +125,7 @@ def load_head(path: str | os.PathLike, target: PreTrainedModel) -> tuple[EagleHe
         raise FileNotFoundError(f"EAGLE head {str(path)!r} does not exist")
     metadata = read_metadata(path)
     config = EagleConfig(**json.loads(metadata["config"]))
-    expected = EagleConfig.for_target(target.config, config.intermediate_size)
-    for field in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
-        if getattr(config, field) != getattr(expected, field):
-            raise EagleHeadMismatchError(
-                f"EAGLE head {path.name} was trained for a target with {field}={getattr(config, field)}, "
-                f"this target has {getattr(expected, field)}"
-            )
-    fingerprint = target_fingerprint(target)
-    if metadata["target_fingerprint"] != fingerprint:
-        raise EagleHeadMismatchError(
-            f"EAGLE head {path.name} was trained for a different target (fingerprint {metadata['target_fingerprint']}, "
-            f"this target {fingerprint}): train one for it with `verispec eagle extract` + `verispec eagle train`"
-        )
+    check_target(path, metadata, config, target, "EAGLE head", "`verispec eagle extract` + `verispec eagle train`")
     tensors = load_file(str(path))
     draft_vocab = tensors.pop("draft_vocab", None)
     head = EagleHead(config)

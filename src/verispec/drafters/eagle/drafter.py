@@ -9,6 +9,9 @@ Positions, for a committed sequence x_0 .. x_{L-1} whose target features f_0 .. 
 
 The head's cache keeps only positions with real features between rounds (drafted positions are
 cropped), so EAGLE always conditions on the target's features once they exist.
+
+``far_memory`` (long inputs): every head call of a session, the catch-up over the prompt included,
+attends with far memory (:mod:`verispec.drafters.far_memory`); only the drafts change, never the output.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import os
 from typing import Any
 
 import torch
-from verispec.drafters.base import DraftContext, Proposal
+from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
+from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead, HeadKVCache
-from verispec.modelref import unwrap_model
+from verispec.drafters.far_memory import FarMemoryConfig
 from verispec.models.quantize import quantize_int8
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
@@ -35,6 +39,7 @@ class EagleDrafter:
     ``use_draft_vocab=False`` drafts over the full vocabulary with the shared LM head.
     ``quantize=True``: int8 dynamic linears for the head and its LM-head rows (a copy of the head;
     cheaper draft steps, possibly lower acceptance, the output exact either way).
+    ``far_memory``: how the head attends over long contexts; None (or mode "full") as trained.
     """
 
     needs_target_features = True
@@ -47,35 +52,20 @@ class EagleDrafter:
         *,
         use_draft_vocab: bool = True,
         quantize: bool = False,
+        far_memory: FarMemoryConfig | None = None,
         name: str = "eagle",
     ) -> None:
-        target_model, self.tokenizer = unwrap_model(target, argument="EagleDrafter(target)")
-        if isinstance(head, (str, os.PathLike)):
-            head, saved_vocab = load_head(head, target_model)
-            draft_vocab = saved_vocab if draft_vocab is None else draft_vocab
-        if not isinstance(head, EagleHead):
-            raise ValueError(f"head must be an EagleHead or a checkpoint path, got {type(head).__name__}")
-        target_hidden = target_model.config.get_text_config(decoder=True).hidden_size
-        if head.config.hidden_size != target_hidden:
-            raise ValueError(f"head hidden_size {head.config.hidden_size} does not match the target's {target_hidden}")
+        target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, EagleHead, load_head, "EagleDrafter")
         self.head = head.eval().requires_grad_(False)
         if quantize:
             self.head = quantize_int8(copy.deepcopy(self.head))
+        if far_memory is not None and not isinstance(far_memory, FarMemoryConfig):
+            raise ValueError(f"far_memory must be a FarMemoryConfig or None, got {type(far_memory).__name__}")
+        self.far_memory = far_memory
         self.name = name
         self.embed = target_model.get_input_embeddings()
         lm_head = target_model.get_output_embeddings()
-        self.vocab_ids: torch.Tensor | None = None  # [draft_vocab]
-        if use_draft_vocab and draft_vocab is not None:
-            vocab = lm_head.weight.shape[0]
-            if draft_vocab.ndim != 1 or draft_vocab.numel() == 0 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= vocab:
-                raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids in [0, {vocab})")
-            self.vocab_ids = draft_vocab.to(torch.long)
-            # The one copy: those rows of the LM head, contiguous, so a draft step reads only them.
-            rows = torch.nn.Linear(lm_head.weight.shape[1], len(self.vocab_ids), bias=False)
-            rows.weight = torch.nn.Parameter(lm_head.weight.detach()[self.vocab_ids].float().contiguous(), requires_grad=False)
-            self._lm_head = quantize_int8(torch.nn.Sequential(rows))[0] if quantize else rows
-        else:
-            self._lm_head = lm_head  # shared, whatever kernel the target uses (never quantised: it is the target's)
+        self.vocab_ids, self._lm_head = reduced_lm_head(lm_head, draft_vocab if use_draft_vocab else None, quantize=quantize)  # [draft_vocab] or None
         self.vocab_size = int(lm_head.weight.shape[0])
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -116,7 +106,7 @@ class EagleSession:
             if len(tokens) == max_tokens:
                 break
             embed = drafter.embed(torch.tensor([[token]]))  # [1, 1, hidden]
-            feature = head(feature[None], embed.float(), start=self.cache.length, cache=self.cache)[0]  # [1, hidden]
+            feature = head(feature[None], embed.float(), start=self.cache.length, cache=self.cache, far_memory=drafter.far_memory)[0]  # [1, hidden]
             passes += 1
         self.cache.crop(self.num_real)  # drafted positions go; the next round feeds real features there
         probs = torch.stack(step_probs) if step_probs else None
@@ -124,18 +114,12 @@ class EagleSession:
 
     def _catch_up(self, context: DraftContext) -> int:
         """Feed the head every real feature it has not seen; return the number of head calls (0 or 1)."""
-        features = context.target_features  # [n, hidden] for positions features_start ..
-        if features is None or len(features) == 0:
+        rows = unseen_context_rows(context, self.num_real, "EAGLE")
+        if rows is None:
             return 0
-        start = context.features_start
-        if start > self.num_real:
-            raise RuntimeError(f"EAGLE session missed target features for positions {self.num_real}..{start - 1}")
-        fresh = features[self.num_real - start :]  # positions num_real .. start+n-1
-        if len(fresh) == 0:
-            return 0
-        next_tokens = torch.tensor(context.token_ids[self.num_real + 1 : self.num_real + 1 + len(fresh)])  # x_{i+1}
+        fresh, next_tokens = rows
         embeds = self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden]
-        predicted = self.drafter.head(fresh[None].float(), embeds, start=self.num_real, cache=self.cache)[0]
+        predicted = self.drafter.head(fresh[None].float(), embeds, start=self.num_real, cache=self.cache, far_memory=self.drafter.far_memory)[0]
         self.num_real += len(fresh)
         self.next_feature = predicted[-1]
         return 1

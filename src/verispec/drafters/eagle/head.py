@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.drafters.far_memory import FarMemoryConfig, far_memory_attention
+from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+
 
 @dataclass(frozen=True)
 class EagleConfig:
@@ -135,8 +138,14 @@ class EagleHead(nn.Module):
         next_embeds: torch.Tensor,  # [batch, n, hidden]: embed(x_{i+1})
         start: int = 0,  # position of the first row (training: 0; drafting: the cache length)
         cache: HeadKVCache | None = None,  # batch 1 only; None: causal attention within the n rows
+        far_memory: FarMemoryConfig | None = None,  # cached path only; None or mode "full": as trained
     ) -> torch.Tensor:
-        """Predicted next features # [batch, n, hidden]."""
+        """Predicted next features # [batch, n, hidden].
+
+        With ``far_memory`` (mode "local" or "fold") the cache holds UNrotated keys, rotated per
+        (row, key) at attention time (see :mod:`verispec.drafters.far_memory`); a cache must be
+        used with one setting for its whole life.
+        """
         batch, num_new, _ = features.shape
         config = self.config
         hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
@@ -144,31 +153,32 @@ class EagleHead(nn.Module):
         query = self.q_proj(normed).view(batch, num_new, config.num_heads, config.head_dim).transpose(1, 2)
         key = self.k_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
         value = self.v_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
+        if cache is not None and (batch != 1 or start != cache.length):
+            raise ValueError(f"a cached head step takes batch 1 at position {cache.length}, got batch {batch} at {start}")
+        if far_memory is not None and far_memory.changes_attention:
+            if cache is None:
+                raise ValueError("far-memory attention runs on the cached (drafting) path: pass a HeadKVCache")
+            keys, values = cache.append(key[0], value[0])  # unrotated: a key's position depends on the query row
+            context = far_memory_attention(query[0], keys, values, start, self.inv_freq, far_memory)[None]
+            return self._finish(hidden, context)
         cos, sin = self._rope(start, start + num_new, features.device)
-        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if cache is None:
             context = F.scaled_dot_product_attention(query, key, value, is_causal=num_new > 1, enable_gqa=True)
         else:
-            if batch != 1 or start != cache.length:
-                raise ValueError(f"a cached head step takes batch 1 at position {cache.length}, got batch {batch} at {start}")
             keys, values = cache.append(key[0], value[0])  # [kv_heads, start+n, head_dim]
             # Row r sees every cached position and the new ones up to itself.
             mask = None if num_new == 1 else torch.ones(num_new, start + num_new, dtype=torch.bool, device=features.device).tril(start)
             context = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, enable_gqa=True)
+        return self._finish(hidden, context)
+
+    def _finish(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Output projection, MLP and final norm. hidden: # [batch, n, hidden]; context: # [batch, heads, n, head_dim]"""
+        batch, num_new = hidden.shape[:2]
         hidden = hidden + self.o_proj(context.transpose(1, 2).reshape(batch, num_new, -1))
         normed = self.post_attention_norm(hidden)
         hidden = hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
         return self.norm(hidden)
 
     def _rope(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, end, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq)  # [n, head_dim/2]
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
-
-
-def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary positions, half-split convention. states: # [batch, heads, n, head_dim]"""
-    half = states.shape[-1] // 2
-    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-    return states * cos + rotated * sin
+        return rotary_cos_sin(torch.arange(start, end, device=device, dtype=torch.float32), self.inv_freq)

@@ -109,18 +109,7 @@ def train_head(
     model, _ = unwrap_model(target, argument="target")
     out_path = Path(out_path)
     fingerprint = target_fingerprint(model)
-    dirs = [features_dirs] if isinstance(features_dirs, (str, os.PathLike)) else list(features_dirs)
-    sequences, corpora = [], []
-    for features_dir in dirs:
-        manifest, found = load_shards(features_dir)
-        if manifest["target_fingerprint"] != fingerprint:
-            raise ValueError(f"features in {features_dir} come from another target ({manifest['target']}, fingerprint {manifest['target_fingerprint']}); this target is {fingerprint}")
-        sequences += found
-        corpora.append({"corpus": manifest.get("corpus"), "sequences": len(found), "tokens": sum(len(tokens) for tokens, _ in found)})
-    sequences = [(tokens[: settings.max_seq_len], features[: settings.max_seq_len]) for tokens, features in sequences if len(tokens) >= 3]
-    random.Random(settings.seed).shuffle(sequences)
-    num_validation = max(1, int(len(sequences) * settings.validation_fraction)) if settings.validation_fraction > 0 and len(sequences) > 1 else 0
-    validation, training = sequences[:num_validation], sequences[num_validation:]
+    training, validation, corpora = load_sequences(features_dirs, fingerprint, settings.max_seq_len, settings.validation_fraction, settings.seed)
 
     torch.manual_seed(settings.seed)
     config = EagleConfig.for_target(model.config, settings.intermediate_size)
@@ -134,25 +123,14 @@ def train_head(
     tokens_per_epoch = sum(len(tokens) - 1 for tokens, _ in training)
     total_steps = max(1, math.ceil(settings.epochs * tokens_per_epoch / settings.tokens_per_step))
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, settings.warmup_steps, total_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings.warmup_steps, total_steps))
     generator = torch.Generator().manual_seed(settings.seed)
-    step, position = 0, 0  # position: index into the epoch-by-epoch order of training sequences
     checkpoint_path = out_path.with_name(out_path.name + ".checkpoint.pt")
-    if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
-        if state["settings"] != asdict(settings) or state["fingerprint"] != fingerprint:
-            raise ValueError(f"{checkpoint_path} is from a run with other settings or another target: delete it or choose another --out")
-        # Resuming over other data would continue at a position that means something else.
-        if state.get("corpora") != corpora:
-            raise ValueError(f"{checkpoint_path} was trained on other features ({state.get('corpora')}), these are {corpora}: delete it or choose another --out")
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        generator.set_state(state["generator"])
-        step, position = state["step"], state["position"]
+    # position: index into the epoch-by-epoch order of training sequences
+    step, position = resume_checkpoint(checkpoint_path, head, optimizer, schedule, generator, settings, fingerprint, corpora)
 
     before = evaluate(objective, validation) if step == 0 else None  # the untrained head, for comparison
-    order = _epoch_order(len(training), settings.seed)
+    order = epoch_order(len(training), settings.seed)
     bar = tqdm(total=total_steps, initial=step, unit="step", desc="train", disable=not progress)
     head.train()
     metrics: dict = {}
@@ -178,7 +156,7 @@ def train_head(
             bar.set_postfix(loss=f"{metrics['regression'] + settings.ce_weight * metrics['classification']:.3f}", top1=f"{metrics['top1']:.2f}")
             bar.update(1)
             if step % settings.checkpoint_every == 0 or step == total_steps:
-                _save_checkpoint(checkpoint_path, head, optimizer, schedule, generator, step, position, settings, fingerprint, corpora)
+                save_checkpoint(checkpoint_path, head, optimizer, schedule, generator, step, position, settings, fingerprint, corpora)
     finally:
         bar.close()
     head.eval()
@@ -187,6 +165,33 @@ def train_head(
         result["validation_before"] = before
     save_head(out_path, head, draft_vocab=draft_vocab, fingerprint=fingerprint, training={**asdict(settings), **result, "corpora": corpora})
     return result
+
+
+def load_sequences(
+    features_dirs: str | os.PathLike | list[str | os.PathLike],
+    fingerprint: str,
+    max_seq_len: int,
+    validation_fraction: float,
+    seed: int,
+    min_length: int = 3,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]], list[dict]]:
+    """(training, validation, corpora) from feature directories of this target (another target's are refused).
+
+    Sequences are cut to ``max_seq_len``, those shorter than ``min_length`` dropped, then shuffled
+    by ``seed`` and split; ``corpora`` describes each directory (resuming over other data is refused).
+    """
+    dirs = [features_dirs] if isinstance(features_dirs, (str, os.PathLike)) else list(features_dirs)
+    sequences, corpora = [], []
+    for features_dir in dirs:
+        manifest, found = load_shards(features_dir)
+        if manifest["target_fingerprint"] != fingerprint:
+            raise ValueError(f"features in {features_dir} come from another target ({manifest['target']}, fingerprint {manifest['target_fingerprint']}); this target is {fingerprint}")
+        sequences += found
+        corpora.append({"corpus": manifest.get("corpus"), "sequences": len(found), "tokens": sum(len(tokens) for tokens, _ in found)})
+    sequences = [(tokens[:max_seq_len], features[:max_seq_len]) for tokens, features in sequences if len(tokens) >= min_length]
+    random.Random(seed).shuffle(sequences)
+    num_validation = max(1, int(len(sequences) * validation_fraction)) if validation_fraction > 0 and len(sequences) > 1 else 0
+    return sequences[num_validation:], sequences[:num_validation], corpora
 
 
 @torch.no_grad()
@@ -204,14 +209,14 @@ def evaluate(objective: _Objective, sequences: list[tuple[torch.Tensor, torch.Te
     return {key: value / positions for key, value in totals.items()}
 
 
-def _lr_factor(step: int, warmup: int, total: int) -> float:
+def lr_factor(step: int, warmup: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _epoch_order(count: int, seed: int):  # noqa: ANN202 - epoch -> permutation
+def epoch_order(count: int, seed: int):  # noqa: ANN202 - epoch -> permutation
     cache: dict[int, list[int]] = {}
 
     def order(epoch: int) -> list[int]:
@@ -225,7 +230,24 @@ def _epoch_order(count: int, seed: int):  # noqa: ANN202 - epoch -> permutation
     return order
 
 
-def _save_checkpoint(path: Path, head, optimizer, schedule, generator, step, position, settings, fingerprint, corpora) -> None:  # noqa: ANN001
+def resume_checkpoint(path: Path, head, optimizer, schedule, generator, settings, fingerprint, corpora) -> tuple[int, int]:  # noqa: ANN001
+    """Load a run's checkpoint into head/optimizer/schedule/generator; (step, position), (0, 0) if none."""
+    if not path.exists():
+        return 0, 0
+    state = torch.load(path, weights_only=False)
+    if state["settings"] != asdict(settings) or state["fingerprint"] != fingerprint:
+        raise ValueError(f"{path} is from a run with other settings or another target: delete it or choose another --out")
+    # Resuming over other data would continue at a position that means something else.
+    if state.get("corpora") != corpora:
+        raise ValueError(f"{path} was trained on other features ({state.get('corpora')}), these are {corpora}: delete it or choose another --out")
+    head.load_state_dict(state["head"])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    generator.set_state(state["generator"])
+    return state["step"], state["position"]
+
+
+def save_checkpoint(path: Path, head, optimizer, schedule, generator, step, position, settings, fingerprint, corpora) -> None:  # noqa: ANN001
     state = {
         "head": head.state_dict(),
         "optimizer": optimizer.state_dict(),

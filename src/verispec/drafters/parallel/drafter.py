@@ -1,0 +1,139 @@
+"""The ``parallel`` drafter: a block of K drafts from one head pass, optionally contextually corrected.
+
+For a committed sequence x_0 .. x_L with target features f_0 .. f_{L-1} (from the verification
+passes already run), one round is:
+
+1. catch-up: the head encodes every real feature it has not seen, in one call (cached);
+2. block pass: K mask slots after the context give, per position i, the top-m candidates and
+   their log-probabilities ``unary[i, c] = log q_draft_i(cand[i, c])`` (``num_forward_passes`` 1);
+3. correction (optional): ONE batched pass of (K-1)·m blocks, row (i, c) giving slot i as the
+   known token cand[i, c]; slot i+1 of that row scores the m candidates at i+1:
+
+       pair[i, c, c'] = log softmax_{c'}( W_{cand[i+1, c']} · ĥ_{i+1} | slot i = cand[i, c] )
+
+   (normalised over the m candidates: a fit score, read from m LM-head rows only), and the
+   drafted path is the lattice's best (:func:`~verispec.drafters.parallel.lattice.best_path`).
+
+The path is a deterministic draft (``Proposal.probs`` None, also when sampling): the verifier
+accepts x with probability p_target(x) and otherwise samples from p_target without x, so the
+output distribution stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
+from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
+from verispec.drafters.eagle.head import HeadKVCache
+from verispec.drafters.parallel.checkpoint import load_parallel_head
+from verispec.drafters.parallel.head import ParallelHead, cached
+from verispec.drafters.parallel.lattice import best_path
+from verispec.sampling import SamplingParams
+
+
+class ParallelDrafter:
+    """Block drafting for ``target`` with a trained ``head`` (a :class:`ParallelHead` or a checkpoint path).
+
+    ``block_size``: drafts per round at most (default and maximum: the head's K); ``candidates``:
+    m, kept per position; ``correction``: pick the path by pair fit (False: top-1 per position,
+    one head pass). ``draft_vocab``: token ids the LM head is restricted to (a checkpoint brings its own).
+    """
+
+    needs_target_features = True
+
+    def __init__(
+        self,
+        target: Any,
+        head: ParallelHead | str | os.PathLike,
+        draft_vocab: torch.Tensor | None = None,  # [draft_vocab] int64
+        *,
+        block_size: int | None = None,
+        candidates: int = 3,
+        correction: bool = True,
+        name: str = "parallel",
+    ) -> None:
+        target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, ParallelHead, load_parallel_head, "ParallelDrafter")
+        block_size = head.config.block_size if block_size is None else block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= head.config.block_size:
+            raise ValueError(f"block_size must be an integer in [1, {head.config.block_size}] (the head's K), got {block_size!r}")
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+            raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
+        self.head = head.eval().requires_grad_(False)
+        self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
+        self.embed = target_model.get_input_embeddings()
+        self.vocab_ids, self.lm_head = reduced_lm_head(target_model.get_output_embeddings(), draft_vocab)
+        if candidates > self.lm_head.weight.shape[0]:
+            raise ValueError(f"candidates ({candidates}) exceeds the draft vocabulary ({self.lm_head.weight.shape[0]} tokens)")
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "ParallelSession":
+        return ParallelSession(self)
+
+
+class ParallelSession:
+    def __init__(self, drafter: ParallelDrafter) -> None:
+        self.drafter = drafter
+        self.caches = [HeadKVCache() for _ in drafter.head.layers]
+        self.num_real = 0  # context positions encoded (0 .. num_real-1), all with real target features
+        self.anchor: torch.Tensor | None = None  # [1, hidden]: output h of the last encoded position
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
+        drafter = self.drafter
+        passes = self._catch_up(context)
+        if self.num_real == 0 or self.num_real != len(context.token_ids) - 1:
+            return Proposal(tokens=[], probs=None, num_forward_passes=passes)  # no features yet (1-token prompt)
+        count = min(drafter.block_size, max_tokens)
+        encoded = [cached(cache) for cache in self.caches]
+        start = torch.tensor([self.num_real])
+        hidden = drafter.head.draft_block(encoded, self.anchor, start)[0, :count]  # [count, hidden]
+        log_probs = drafter.lm_head(hidden).float().log_softmax(-1)  # [count, draft_vocab]
+        unary, index = log_probs.topk(drafter.candidates, dim=-1)  # [count, m]: candidates, best first
+        passes += 1
+        choice = torch.zeros(count, dtype=torch.long)  # top-1 per position
+        if drafter.correction and count > 1 and drafter.candidates > 1:
+            choice, _ = best_path(unary, self._pair_fit(encoded, start, index))
+            passes += 1
+        chosen = index[torch.arange(count), choice]
+        tokens = chosen if drafter.vocab_ids is None else drafter.vocab_ids[chosen]
+        return Proposal(tokens=tokens.tolist(), probs=None, num_forward_passes=passes)
+
+    def _pair_fit(self, encoded: list, start: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """pair[i, c, c'] # [count-1, m, m] from one batched pass: slot i known as candidate c.
+
+        index: # [count, m] candidate indices into the draft vocabulary.
+        """
+        drafter = self.drafter
+        count, width = index.shape
+        block, hidden_size = drafter.head.config.block_size, drafter.head.config.hidden_size
+        rows = (count - 1) * width
+        position = torch.arange(count - 1).repeat_interleave(width)  # [rows]: the known slot i of each row
+        tokens = index[:-1].reshape(-1)  # [rows]: candidate c at i
+        tokens = tokens if drafter.vocab_ids is None else drafter.vocab_ids[tokens]
+        known = torch.zeros(rows, block, dtype=torch.bool)
+        known[torch.arange(rows), position] = True
+        known_embeds = torch.zeros(rows, block, hidden_size)
+        known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
+        hidden = drafter.head.draft_block(encoded, self.anchor, start.expand(rows), known_embeds, known)  # [rows, K, hidden]
+        following = hidden[torch.arange(rows), position + 1].view(count - 1, width, hidden_size)  # ĥ_{i+1}
+        candidate_rows = drafter.lm_head.weight[index[1:]].float()  # [count-1, m, hidden]: W rows of the candidates at i+1
+        return torch.einsum("ich,ijh->icj", following, candidate_rows).log_softmax(-1)
+
+    def _catch_up(self, context: DraftContext) -> int:
+        """Encode every real feature the head has not seen; return the number of head calls (0 or 1)."""
+        rows = unseen_context_rows(context, self.num_real, "parallel")
+        if rows is None:
+            return 0
+        fresh, next_tokens = rows
+        embeds = self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden]
+        _, outputs = self.drafter.head.encode_context(fresh[None].float(), embeds, start=self.num_real, caches=self.caches)
+        self.anchor = outputs[:, -1]
+        self.num_real += len(fresh)
+        return 1
+
+    def close(self) -> None:
+        self.caches = [HeadKVCache() for _ in self.drafter.head.layers]
+        self.num_real, self.anchor = 0, None

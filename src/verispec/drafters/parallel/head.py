@@ -1,0 +1,212 @@
+"""The parallel draft head: K future positions from ONE forward pass over the target's features.
+
+Context (as EAGLE reads it): committed position i carries the target's feature f_i and the
+embedding of the token one step ahead, so its row is
+
+    c_i = fc( [embed(x_{i+1}) ; f_i] )          i = 0 .. L-1   (x_L: the last committed token)
+
+and passes through the head's decoder layers causally, its keys/values cached per sequence.
+Block: K learned query vectors ("mask tokens") m_0..m_{K-1} sit at positions L..L+K-1, attend
+to every cached context position and to each other (bidirectional inside the block), and slot j
+is read out through the target's frozen LM head as the draft distribution of x_{L+1+j}:
+
+    b_j = m_j + h_{L-1}                          (slot j unknown)
+    b_j = m_j + h_{L-1} + known(embed(c))        (slot j given as the KNOWN token c = x_{L+1+j})
+    q_draft(x_{L+1+j}) = softmax( W · norm( layers( b | context ) )_j )
+
+h_{L-1} is the last context row's output (before the final norm): every slot starts from the
+context's own guess of the next feature — with EAGLE's weights, EAGLE's prediction of f_L — and
+attention refines it, so the slots need not first learn to find the last row among hundreds.
+
+Known slots are what contextual correction conditions on (training draws them at random so
+that input is in-distribution). The decoder layer is the Llama/Qwen2 block EAGLE uses, so the
+EAGLE head's trained weights can initialise the first layer (:meth:`ParallelHead.load_eagle`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.drafters.eagle.head import EagleConfig, EagleHead, HeadKVCache
+from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+
+KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys, values # [batch or 1, kv_heads, n, head_dim]
+
+
+@dataclass(frozen=True)
+class ParallelConfig(EagleConfig):
+    """EAGLE's layer shape plus the block: ``block_size`` K drafted positions, ``num_layers`` 1-2."""
+
+    block_size: int = 4
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"ParallelConfig.block_size must be a positive integer, got {self.block_size!r}")
+        if self.num_layers not in (1, 2):
+            raise ValueError(f"ParallelConfig.num_layers must be 1 or 2, got {self.num_layers!r}")
+
+    @classmethod
+    def for_target(cls, target_config, intermediate_size: int | None = None, block_size: int = 4, num_layers: int = 1) -> "ParallelConfig":  # noqa: ANN001
+        """The head shape that fits a Llama/Qwen2/Mistral-family target config."""
+        layer = EagleConfig.for_target(target_config, intermediate_size)
+        return cls(**dataclasses.asdict(layer), block_size=block_size, num_layers=num_layers)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm grouped-query attention with rotary positions + SiLU-gated MLP (EAGLE's layer)."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, head_dim
+        self.input_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.q_proj = nn.Linear(hidden, config.num_heads * head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, config.num_kv_heads * head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, config.num_kv_heads * head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * head_dim, hidden, bias=False)
+        self.post_attention_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [batch, n, hidden]
+        cos: torch.Tensor,  # [batch or 1, 1, n, head_dim]: rotary tables of the n rows' positions
+        sin: torch.Tensor,  # [batch or 1, 1, n, head_dim]
+        prefix: KeysValues | None,  # earlier positions' keys/values, shared by every row of the batch
+        prefix_visible: torch.Tensor | None,  # [batch, 1, 1, prefix] bool: which prefix keys a row may see (None: all)
+        causal: bool,  # the n rows see each other causally (context) or all of each other (block)
+    ) -> tuple[torch.Tensor, KeysValues]:
+        """(new hidden # [batch, n, hidden], this call's rotated keys/values # [batch, kv_heads, n, head_dim])."""
+        batch, num_new, _ = hidden.shape
+        normed = self.input_norm(hidden)
+        query = apply_rotary(self.q_proj(normed).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        key = apply_rotary(self.k_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        value = self.v_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        context = _attention(query, prefix, prefix_visible, (key, value), causal)
+        hidden = hidden + self.o_proj(context.transpose(1, 2).reshape(batch, num_new, -1))
+        normed = self.post_attention_norm(hidden)
+        return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), (key, value)
+
+
+def _attention(
+    query: torch.Tensor,  # [batch, heads, n, head_dim]
+    prefix: KeysValues | None,  # [batch or 1, kv_heads, P, head_dim]
+    prefix_visible: torch.Tensor | None,  # [batch, 1, 1, P] bool
+    own: KeysValues,  # [batch, kv_heads, n, head_dim]
+    causal: bool,
+) -> torch.Tensor:
+    """softmax(q·kᵀ/√d) · v over [prefix keys ; own keys], grouped-query, # [batch, heads, n, head_dim].
+
+    The prefix (a cached context) is broadcast over the batch, not copied: the correction pass
+    runs (K-1)·m block rows over one context.
+    """
+    batch, heads, num_new, head_dim = query.shape
+    kv_heads = own[0].shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * num_new, head_dim) / math.sqrt(head_dim)
+    own_scores = grouped @ own[0].transpose(-1, -2)  # [batch, kv, group·n, n]
+    if causal and num_new > 1:
+        future = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)
+        own_scores = own_scores.masked_fill(future, float("-inf"))
+    if prefix is None:
+        weights = own_scores.softmax(-1)
+        return (weights @ own[1]).reshape(batch, heads, num_new, head_dim)
+    prefix_scores = grouped @ prefix[0].transpose(-1, -2)  # [batch, kv, group·n, P]
+    if prefix_visible is not None:
+        prefix_scores = prefix_scores.masked_fill(~prefix_visible, float("-inf"))
+    weights = torch.cat((prefix_scores, own_scores), dim=-1).softmax(-1)
+    num_prefix = prefix_scores.shape[-1]
+    out = weights[..., :num_prefix] @ prefix[1] + weights[..., num_prefix:] @ own[1]
+    return out.reshape(batch, heads, num_new, head_dim)
+
+
+class ParallelHead(nn.Module):
+    def __init__(self, config: ParallelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.mask_embeds = nn.Parameter(torch.empty(config.block_size, hidden))  # m_j, one per block slot
+        self.known = nn.Linear(hidden, hidden, bias=False)  # a known slot's token embedding -> its input
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        EagleHead.reset_parameters(self)  # the same linears, fc passing the feature half through
+        nn.init.normal_(self.mask_embeds, std=1.0 / math.sqrt(self.config.hidden_size))
+
+    def load_eagle(self, eagle: EagleHead) -> None:
+        """Initialise fc, the first layer and the final norm from a trained EAGLE head of the same shape."""
+        mapped = {(name if name.startswith(("fc.", "norm.")) else "layers.0." + name): value for name, value in eagle.state_dict().items()}
+        missing = set(mapped) - set(self.state_dict())
+        if missing:
+            raise ValueError(f"EAGLE head does not fit this parallel head: {sorted(missing)[:3]}")
+        self.load_state_dict(mapped, strict=False)
+
+    def encode_context(
+        self,
+        features: torch.Tensor,  # [batch, n, hidden]: f_i
+        next_embeds: torch.Tensor,  # [batch, n, hidden]: embed(x_{i+1})
+        start: int = 0,  # position of the first row
+        caches: list[HeadKVCache] | None = None,  # one per layer, batch 1; None: the n rows alone
+    ) -> tuple[list[KeysValues], torch.Tensor]:
+        """(keys/values of every context position so far, per layer # [batch, kv_heads, start+n, head_dim];
+        the n rows' outputs h_i before the final norm # [batch, n, hidden])."""
+        if caches is not None and (features.shape[0] != 1 or any(cache.length != start for cache in caches)):
+            raise ValueError(f"a cached context step takes batch 1 at position {caches[0].length}, got batch {features.shape[0]} at {start}")
+        hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
+        cos, sin = self._rope(torch.arange(start, start + features.shape[1], device=features.device))
+        everything = []
+        for index, layer in enumerate(self.layers):
+            prefix = None if caches is None or start == 0 else cached(caches[index])
+            hidden, (key, value) = layer(hidden, cos, sin, prefix, None, causal=True)
+            if caches is None:
+                everything.append((key, value))
+            else:
+                keys, values = caches[index].append(key[0], value[0])
+                everything.append((keys[None], values[None]))
+        return everything, hidden
+
+    def draft_block(
+        self,
+        context: list[KeysValues],  # per layer # [batch or 1, kv_heads, P, head_dim]
+        anchor: torch.Tensor,  # [batch or 1, hidden]: h_{L-1}, the output of the row's last visible context position
+        block_start: torch.Tensor,  # [batch] int: position of slot 0 (the context length L of that row)
+        known_embeds: torch.Tensor | None = None,  # [batch, K, hidden]: embed(token) of known slots (others ignored)
+        known: torch.Tensor | None = None,  # [batch, K] bool: which slots are given as known tokens
+        context_visible: torch.Tensor | None = None,  # [batch, P] bool: context positions a row may see (None: all)
+    ) -> torch.Tensor:
+        """Normed features of the K block slots # [batch, K, hidden]; slot j drafts x_{L+1+j}."""
+        batch, block = block_start.shape[0], self.config.block_size
+        hidden = self.mask_embeds + anchor[:, None]  # [batch, K, hidden]
+        if known is not None:
+            hidden = hidden + self.known(known_embeds) * known[..., None]
+        positions = block_start[:, None] + torch.arange(block, device=block_start.device)  # [batch, K]
+        cos, sin = self._rope(positions)
+        cos, sin = cos[:, None], sin[:, None]  # [batch, 1, K, head_dim]
+        visible = None if context_visible is None else context_visible[:, None, None, :]
+        for layer, prefix in zip(self.layers, context):
+            hidden, _ = layer(hidden, cos, sin, prefix, visible, causal=False)
+        return self.norm(hidden)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin # [..., n, head_dim] for positions # [..., n]."""
+        cos, sin = rotary_cos_sin(positions.reshape(-1).float(), self.inv_freq)
+        return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
+
+
+def cached(cache: HeadKVCache) -> KeysValues:
+    """The keys/values a cache holds # [1, kv_heads, length, head_dim]."""
+    return cache.keys[None, :, : cache.length], cache.values[None, :, : cache.length]

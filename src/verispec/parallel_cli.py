@@ -1,0 +1,127 @@
+"""``verispec parallel train``: the parallel (DCOCO) draft head's training as a command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from verispec.argtypes import positive_int
+
+
+def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
+    from verispec.drafters.parallel.train import ParallelTrainSettings
+    from verispec.models import DEFAULT_TARGET
+
+    parallel = commands.add_parser("parallel", help="parallel draft head (K positions per pass, contextual correction): train")
+    steps = parallel.add_subparsers(dest="parallel_command", required=True)
+    train = steps.add_parser(
+        "train",
+        help="train a parallel head on the EAGLE feature shards (CE over K block slots, cosine LR); resumable, a usable head at every checkpoint",
+    )
+    defaults = ParallelTrainSettings()
+    train.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
+    train.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
+    train.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    train.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help="feature shards directory, repeatable (default: <cache>/eagle/<target>/features and .../answers, those that exist)")
+    train.add_argument("--out", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/parallel.safetensors)")
+    train.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head whose draft vocabulary the parallel head reuses (default <cache>/eagle/<target>/head.safetensors if it exists)")
+    train.add_argument("--init-from-eagle", action="store_true", help="start the context encoder (fc, layer 0, norm) from the EAGLE head's weights")
+    train.add_argument("--block-size", type=positive_int, default=defaults.block_size, help=f"K, positions drafted per pass (default {defaults.block_size})")
+    train.add_argument("--num-layers", type=int, choices=[1, 2], default=defaults.num_layers, help=f"decoder layers (default {defaults.num_layers})")
+    train.add_argument("--epochs", type=float, default=defaults.epochs, help=f"passes over the sequences (default {defaults.epochs})")
+    train.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate (default {defaults.lr})")
+    train.add_argument("--sequences-per-step", type=positive_int, default=defaults.sequences_per_step, help=f"sequences per optimiser step (default {defaults.sequences_per_step})")
+    train.add_argument("--cuts-per-sequence", type=positive_int, default=defaults.cuts_per_sequence, help=f"blocks drafted per sequence (default {defaults.cuts_per_sequence})")
+    train.add_argument("--intermediate-size", type=positive_int, default=defaults.intermediate_size, help=f"the head's MLP width (default {defaults.intermediate_size}; must be the EAGLE head's with --init-from-eagle)")
+    train.add_argument("--known-fraction", type=float, default=defaults.known_fraction, help=f"probability a block slot is given as its true token (default {defaults.known_fraction})")
+    train.add_argument("--feature-weight", type=float, default=defaults.feature_weight, help=f"weight of the SmoothL1 term against the target's features (default {defaults.feature_weight})")
+    train.add_argument("--checkpoint-every", type=positive_int, default=defaults.checkpoint_every, help=f"steps between checkpoints (default {defaults.checkpoint_every})")
+    train.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data order (default 0)")
+    train.set_defaults(handler=_train)
+
+
+def _settings(args: argparse.Namespace):  # noqa: ANN202
+    from verispec.drafters.parallel.train import ParallelTrainSettings
+
+    return ParallelTrainSettings(
+        epochs=args.epochs, lr=args.lr, sequences_per_step=args.sequences_per_step, cuts_per_sequence=args.cuts_per_sequence,
+        block_size=args.block_size, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
+        known_fraction=args.known_fraction, feature_weight=args.feature_weight, init_from_eagle=args.init_from_eagle,
+        checkpoint_every=args.checkpoint_every, seed=args.seed,
+    )  # fmt: skip
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from verispec.drafters.eagle import default_head_path
+    from verispec.drafters.parallel.checkpoint import default_parallel_path
+    from verispec.drafters.parallel.train import train_parallel_head
+    from verispec.models import load_model
+
+    settings = _settings(args)  # validate before minutes of loading
+    eagle_default = default_head_path(args.target, args.cache_dir)
+    dirs = args.features or [path for path in (eagle_default.parent / "features", eagle_default.parent / "answers") if (path / "manifest.json").exists()]
+    if not dirs:
+        raise FileNotFoundError(f"no features under {eagle_default.parent}: run `verispec eagle extract` / `verispec eagle answers` first")
+    eagle_head = args.eagle_head or (eagle_default if eagle_default.is_file() else None)
+    if args.eagle_head is not None and not args.eagle_head.is_file():
+        raise FileNotFoundError(f"--eagle-head {str(args.eagle_head)!r} does not exist")
+    if settings.init_from_eagle and eagle_head is None:
+        raise ValueError(f"--init-from-eagle needs an EAGLE head: none at {eagle_default}, pass --eagle-head PATH")
+    out = args.out or default_parallel_path(args.target, args.cache_dir)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    target = load_model(args.target, cache_dir=args.cache_dir)
+    result = train_parallel_head(target, dirs, out, settings, eagle_head=eagle_head)
+    print(json.dumps(result, indent=1))
+    print(f"parallel head -> {out}", file=sys.stderr)
+    return 0
+
+
+def add_parallel_drafter_options(sub: argparse.ArgumentParser) -> None:
+    """``--drafter parallel``'s options, for every command that decodes with a drafter."""
+    sub.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for --drafter parallel (default <cache>/eagle/<target>/parallel.safetensors, made by `verispec parallel train`)")
+    sub.add_argument("--block-size", type=positive_int, default=None, metavar="K", help="--drafter parallel: drafts per round at most (default: the head's K; at most K)")
+    sub.add_argument("--candidates", type=positive_int, default=3, metavar="M", help="--drafter parallel: candidates kept per position for contextual correction (default 3)")
+    sub.add_argument("--no-correction", dest="correction", action="store_false", help="--drafter parallel: top-1 per position, one head pass a round (no contextual correction)")
+
+
+def parallel_head_path(args: argparse.Namespace) -> Path:
+    """The parallel head to load (--parallel-head or the default), checked to exist before minutes of model loading."""
+    from verispec.drafters.parallel import existing_parallel_path
+
+    return existing_parallel_path(args.parallel_head, args.target, args.cache_dir)
+
+
+def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path):  # noqa: ANN001, ANN201 - a LoadedModel -> ParallelDrafter
+    from verispec.drafters.parallel import ParallelDrafter
+
+    return ParallelDrafter(target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction)
+
+
+def print_proposal_costs(args: argparse.Namespace, target, eagle_head: Path | None) -> None:  # noqa: ANN001 - a LoadedModel
+    """`verispec costs`: drafting cost per proposed token, the parallel head's (with and without
+    correction) next to the EAGLE head's, for a round of K drafts. Nothing without a parallel head."""
+    from verispec.bench.costs import proposal_cost
+    from verispec.drafters.eagle import EagleDrafter
+    from verispec.drafters.parallel import ParallelDrafter
+
+    try:
+        head_path = parallel_head_path(args)
+    except FileNotFoundError:
+        if args.parallel_head is not None:
+            raise
+        return
+    uncorrected = ParallelDrafter(target, head_path, correction=False)
+    drafts = uncorrected.block_size
+    costs = {"parallel": proposal_cost(uncorrected, args.context, drafts, args.repeats)}
+    costs["parallel-corrected"] = proposal_cost(ParallelDrafter(target, head_path), args.context, drafts, args.repeats)
+    if eagle_head is not None:
+        costs["eagle"] = proposal_cost(EagleDrafter(target, eagle_head), args.context, drafts, args.repeats)
+    print(f"drafting cost per proposed token, rounds of {drafts} drafts after a {args.context}-token context:")
+    for name, seconds in costs.items():
+        ratio = f" ({seconds / costs['eagle']:.2f}x eagle)" if "eagle" in costs else ""
+        print(f"  {name:<20}{seconds * 1000:7.2f} ms{ratio}")

@@ -1,0 +1,323 @@
+"""Far-memory (FOLD) attention for drafters: position assignment, the math, the EAGLE head and the whole decode."""
+
+import math
+
+import pytest
+import torch
+
+from tiny_models import tiny_target
+from verispec import SpeculativeDecoder
+from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from verispec.drafters.eagle.head import HeadKVCache
+from verispec.drafters.far_memory import FarMemoryConfig, assigned_key_positions, far_memory_attention
+from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+
+HEAD_DIM = 8
+INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+
+
+def random_qkv(num_rows, num_keys, heads=4, kv_heads=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(heads, num_rows, HEAD_DIM, generator=generator)
+    keys = torch.randn(kv_heads, num_keys, HEAD_DIM, generator=generator)
+    values = torch.randn(kv_heads, num_keys, HEAD_DIM, generator=generator)
+    return query, keys, values
+
+
+def rotate_to(states, position):
+    """R(position)·x for one vector # [head_dim]."""
+    cos, sin = rotary_cos_sin(torch.tensor([float(position)]), INV_FREQ)
+    return apply_rotary(states[None], cos, sin)[0]
+
+
+def reference_attention(query, keys, values, start, config):
+    """Row by row, key by key, written out: rotate each key to its assigned position, then one softmax."""
+    heads, num_rows, _ = query.shape
+    group = heads // keys.shape[0]
+    out = torch.zeros_like(query)
+    for head in range(heads):
+        for row in range(num_rows):
+            t = start + row
+            rotated_query = rotate_to(query[head, row], t)
+            logits, rows_of_values = [], []
+            for s in range(t + 1):
+                in_memory = s <= t - config.local_window
+                if in_memory and config.mode == "local":
+                    continue
+                position = t - config.local_window if in_memory else s
+                logit = float(rotated_query @ rotate_to(keys[head // group, s], position)) / math.sqrt(HEAD_DIM)
+                if in_memory:
+                    logit = logit / config.memory_temperature + math.log(config.memory_weight)
+                logits.append(logit)
+                rows_of_values.append(values[head // group, s])
+            weights = torch.softmax(torch.tensor(logits, dtype=torch.float64), dim=0).float()
+            out[head, row] = weights @ torch.stack(rows_of_values)
+    return out
+
+
+def plain_causal_attention(query, keys, values, start):
+    """Ordinary rotary attention at true positions (what the head was trained with)."""
+    heads, num_rows, _ = query.shape
+    cos_q, sin_q = rotary_cos_sin(torch.arange(start, start + num_rows).float(), INV_FREQ)
+    cos_k, sin_k = rotary_cos_sin(torch.arange(keys.shape[1]).float(), INV_FREQ)
+    mask = torch.ones(num_rows, keys.shape[1], dtype=torch.bool).tril(start)
+    return torch.nn.functional.scaled_dot_product_attention(
+        apply_rotary(query, cos_q, sin_q)[None], apply_rotary(keys, cos_k, sin_k)[None], values[None], attn_mask=mask, enable_gqa=True
+    )[0]
+
+
+# --- positions and math ------------------------------------------------------------------------------
+
+
+def test_near_keys_keep_their_positions_far_keys_share_one():
+    positions = assigned_key_positions(torch.tensor([9, 4, 1]), num_keys=10, local_window=3)
+    # Query at 9, W=3: keys 7, 8, 9 exact; 0..6 all at 6 = 9-3, just beyond the window.
+    assert positions[0].tolist() == [6, 6, 6, 6, 6, 6, 6, 7, 8, 9]
+    # Query at 4: keys 2..4 exact, 0..1 at 1; keys after the query keep theirs (causal masking hides them).
+    assert positions[1].tolist() == [1, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    # Query at 1 (inside the first window): nothing is memory.
+    assert positions[2].tolist() == list(range(10))
+
+
+@pytest.mark.parametrize(
+    "config, start, num_rows",
+    [
+        (FarMemoryConfig("fold", local_window=3, memory_temperature=0.5, memory_weight=2.0), 0, 9),  # catch-up block
+        (FarMemoryConfig("fold", local_window=4, memory_temperature=0.7, memory_weight=0.3), 7, 3),  # rows after a cache
+        (FarMemoryConfig("fold", local_window=2, memory_temperature=1.5, memory_weight=1.0), 11, 1),  # one draft step
+        (FarMemoryConfig("local", local_window=3), 5, 4),
+    ],
+)
+def test_far_memory_attention_matches_the_written_out_reference(config, start, num_rows):
+    query, keys, values = random_qkv(num_rows, start + num_rows)
+    got = far_memory_attention(query, keys, values, start, INV_FREQ, config)
+    torch.testing.assert_close(got, reference_attention(query, keys, values, start, config), atol=1e-5, rtol=1e-5)
+
+
+def test_memory_mass_is_reweighted_by_lambda_and_sharpened_by_one_over_t():
+    """One row, one head, by hand: out = (Z_loc·o_loc + λ·Z_mem·o_mem) / (Z_loc + λ·Z_mem)."""
+    config = FarMemoryConfig("fold", local_window=1, memory_temperature=0.5, memory_weight=3.0)
+    query, keys, values = random_qkv(1, 4, heads=1, kv_heads=1, seed=3)
+    t = 3
+    rotated_query = rotate_to(query[0, 0], t)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    local_logit = float(rotated_query @ rotate_to(keys[0, 3], 3)) * scale  # key 3 is the whole window
+    memory_logits = torch.tensor([float(rotated_query @ rotate_to(keys[0, s], t - 1)) * scale for s in range(3)])  # keys 0..2 at t-W
+    z_local = math.exp(local_logit)
+    z_memory = torch.exp(memory_logits / 0.5)
+    o_memory = (z_memory / z_memory.sum()) @ values[0, :3]
+    expected = (z_local * values[0, 3] + 3.0 * float(z_memory.sum()) * o_memory) / (z_local + 3.0 * float(z_memory.sum()))
+    got = far_memory_attention(query, keys, values, t, INV_FREQ, config)[0, 0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start, num_rows", [(0, 12), (9, 3), (11, 1)])
+def test_unit_weight_unit_temperature_and_a_window_covering_everything_is_plain_attention(start, num_rows):
+    query, keys, values = random_qkv(num_rows, start + num_rows)
+    expected = plain_causal_attention(query, keys, values, start)
+    for mode in ("fold", "local"):
+        config = FarMemoryConfig(mode, local_window=start + num_rows, memory_temperature=1.0, memory_weight=1.0)
+        torch.testing.assert_close(far_memory_attention(query, keys, values, start, INV_FREQ, config), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_local_mode_is_attention_over_the_last_w_keys_only():
+    start, window = 10, 4
+    query, keys, values = random_qkv(1, start + 1)
+    got = far_memory_attention(query, keys, values, start, INV_FREQ, FarMemoryConfig("local", local_window=window))
+    # Relative positions are all that rotary attention sees: the last W keys alone, re-indexed from 0, give the same scores.
+    kept = slice(start + 1 - window, start + 1)
+    expected = plain_causal_attention(query, keys[:, kept], values[:, kept], window - 1)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_blocks_of_rows_give_the_same_result_as_one_block(monkeypatch):
+    import verispec.drafters.far_memory as far_memory
+
+    config = FarMemoryConfig("fold", local_window=3, memory_temperature=0.6, memory_weight=0.5)
+    query, keys, values = random_qkv(10, 14)
+    whole = far_memory_attention(query, keys, values, 4, INV_FREQ, config)
+    monkeypatch.setattr(far_memory, "_BLOCK_ELEMENTS", 4 * 14 * 3)  # 3 rows a block
+    torch.testing.assert_close(far_memory_attention(query, keys, values, 4, INV_FREQ, config), whole, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        ({"mode": "sliding"}, "--draft-attention"),
+        ({"local_window": 0}, "--local-window"),
+        ({"local_window": 2.5}, "--local-window"),
+        ({"memory_temperature": 0.0}, "--memory-temperature"),
+        ({"memory_temperature": float("inf")}, "--memory-temperature"),
+        ({"memory_weight": -1.0}, "--memory-weight"),
+    ],
+)
+def test_bad_far_memory_settings_name_the_option(kwargs, option):
+    with pytest.raises(ValueError, match=option):
+        FarMemoryConfig(**kwargs)
+
+
+# --- the EAGLE head and the decode ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def fresh_head(target, seed=0):
+    torch.manual_seed(seed)
+    return EagleHead(EagleConfig.for_target(target.config, 24)).eval().requires_grad_(False)
+
+
+def test_head_with_a_window_covering_everything_matches_the_trained_attention(target):
+    head = fresh_head(target)
+    hidden = target.config.hidden_size
+    features, embeds = torch.randn(1, 12, hidden), torch.randn(1, 12, hidden)
+    expected = head(features, embeds)
+    covering = FarMemoryConfig("fold", local_window=12, memory_temperature=1.0, memory_weight=1.0)
+    cache = HeadKVCache()
+    first = head(features[:, :8], embeds[:, :8], start=0, cache=cache, far_memory=covering)  # catch-up
+    rest = [head(features[:, i : i + 1], embeds[:, i : i + 1], start=i, cache=cache, far_memory=covering) for i in range(8, 12)]
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), expected, atol=1e-5, rtol=1e-5)
+    # A short window changes the drafts (else the option would do nothing).
+    short = FarMemoryConfig("fold", local_window=2, memory_temperature=0.5, memory_weight=1.0)
+    assert not torch.allclose(head(features, embeds, start=0, cache=HeadKVCache(), far_memory=short), expected, atol=1e-3)
+    with pytest.raises(ValueError, match="HeadKVCache"):
+        head(features, embeds, far_memory=short)
+    # Mode "full" is the trained attention, bit for bit.
+    as_trained = head(features, embeds, start=0, cache=HeadKVCache())
+    assert torch.equal(head(features, embeds, start=0, cache=HeadKVCache(), far_memory=FarMemoryConfig("full")), as_trained)
+
+
+@pytest.mark.parametrize("mode", ["local", "fold"])
+def test_greedy_decode_with_far_memory_is_token_identical_to_plain(target, mode):
+    config = FarMemoryConfig(mode, local_window=4, memory_temperature=0.5, memory_weight=2.0)
+    plain = SpeculativeDecoder(target)
+    eagle = SpeculativeDecoder(target, EagleDrafter(target, fresh_head(target), far_memory=config), gamma=3)
+    for prompt in ([3, 1, 4], list(range(20, 50))):
+        result = eagle.generate(prompt, 24, stop=[])
+        assert result.token_ids == plain.generate(prompt, 24, stop=[]).token_ids
+        assert sum(result.stats.drafted_per_round) > 0
+        assert all(1 <= accepted + 1 <= 4 for accepted in result.stats.accepted_per_round)  # 1..gamma+1 tokens a call
+
+
+def test_bench_methods_pick_the_mode_and_keep_the_window_temperature_and_weight(target):
+    from verispec.bench.methods import build_method
+
+    settings = FarMemoryConfig("fold", local_window=8, memory_temperature=0.7, memory_weight=2.0)
+    for name, mode, adaptive in [("eagle", None, False), ("eagle-local", "local", False), ("eagle-fold-adaptive", "fold", True)]:
+        decoder = build_method(name, target, None, 3, eagle_head=fresh_head(target), far_memory=settings).decoder
+        assert (decoder._gamma_controller is not None) == adaptive
+        if mode is None:
+            assert decoder.drafter.far_memory is None
+        else:
+            assert decoder.drafter.far_memory == FarMemoryConfig(mode, 8, 0.7, 2.0)
+
+
+# --- the long-context prompt set and the command line ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tiny_models import write_tiny_qwen2_gguf
+
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    write_tiny_qwen2_gguf(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fake_stdlib(tmp_path_factory):
+    """Six long 'modules' (the sorted order decides the split), one short file and a test package that never count."""
+    from verispec.bench.long_context import MIN_MODULE_CHARS
+
+    root = tmp_path_factory.mktemp("stdlib")
+    for index in range(6):
+        lines = [f'"""Module {index}."""', ""] + [f"def function_{index}_{k}(x):\n    return x + {k}\n" for k in range(4000)]
+        text = "\n".join(lines)
+        assert len(text) >= MIN_MODULE_CHARS
+        (root / f"mod{index}.py").write_text(text)
+    (root / "short.py").write_text("def f():\n    pass\n")
+    (root / "test").mkdir()
+    (root / "test" / "big.py").write_text((root / "mod0.py").read_text())
+    return root
+
+
+def test_long_prompts_have_the_requested_lengths_and_disjoint_splits(tiny_gguf, fake_stdlib):
+    from verispec.bench.long_context import long_context_modules, long_context_prompts
+    from verispec.models import encode_prompt, load_model
+
+    tokenizer = load_model(tiny_gguf).tokenizer
+    dev = [name for name, _ in long_context_modules("dev", fake_stdlib)]
+    evaluation = [name for name, _ in long_context_modules("eval", fake_stdlib)]
+    assert dev == ["mod0.py", "mod3.py"] and evaluation == ["mod1.py", "mod2.py", "mod4.py", "mod5.py"]
+    prompts = long_context_prompts(tokenizer, [300, 1200], "eval", per_length=3, root=fake_stdlib)
+    assert [p.category for p in prompts] == ["long-300", "long-1200"] * 3
+    for prompt in prompts:
+        assert abs(len(encode_prompt(tokenizer, prompt.text)) - int(prompt.category.split("-")[1])) <= 2
+        # The request names the module's first function, which sits at the very start of the input.
+        module = prompt.id.split("/")[1].split("@")[0]
+        assert f"`function_{module[3]}_0`" in prompt.text.rsplit("```", 1)[1]
+    # The real standard library: the splits share no module.
+    real_dev, real_eval = ({name for name, _ in long_context_modules(split)} for split in ("dev", "eval"))
+    assert real_dev and real_eval and not real_dev & real_eval
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--draft-attention", "fold", "--local-window", "0"], "--local-window must be an integer >= 1"),
+        (["--draft-attention", "fold", "--memory-temperature", "0"], "--memory-temperature must be a finite number > 0"),
+        (["--draft-attention", "local", "--memory-weight", "-2"], "--memory-weight must be a finite number > 0"),
+        (["--draft-attention", "fold", "--drafter", "ngram"], "it needs --drafter eagle"),
+    ],
+)
+def test_far_memory_option_errors_name_the_option(tiny_gguf, capsys, options, message):
+    from verispec.cli import main
+
+    assert main(["generate", "--target", tiny_gguf, "--drafter", "eagle", *options, "x"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--lengths", "2048,x"], "--lengths must be a comma list"),
+        (["--lengths", "100"], "--lengths must name token counts >= 256"),
+        (["--memory-weight", "0"], "--memory-weight"),
+        (["--categories", "long-999"], "--categories: unknown long-999"),
+    ],
+)
+def test_long_bench_option_errors_come_before_loading(tmp_path, capsys, options, message):
+    from verispec.cli import main
+
+    args = ["bench", "--set", "long", "--methods", "plain,eagle-fold", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "out"), *options]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_runs_eagle_full_local_and_fold_on_the_long_set(tiny_gguf, tmp_path, capsys, monkeypatch):
+    import json
+
+    from verispec.bench import long_context
+    from verispec.cli import main
+    from verispec.drafters.eagle import save_head, target_fingerprint
+    from verispec.models import load_model
+
+    loaded = load_model(tiny_gguf)
+    head_path = tmp_path / "head.safetensors"
+    save_head(head_path, fresh_head(loaded.model), draft_vocab=None, fingerprint=target_fingerprint(loaded.model))
+    root = tmp_path / "stdlib"
+    root.mkdir()
+    (root / "mod.py").write_text("\n".join(f"def f{k}(x):\n    return x * {k}\n" for k in range(6000)))
+    monkeypatch.setattr(long_context.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    out = tmp_path / "out"
+    args = ["bench", "--target", tiny_gguf, "--set", "long", "--lengths", "300,600", "--split", "dev", "--methods", "plain,eagle,eagle-local,eagle-fold",
+            "--eagle-head", str(head_path), "--local-window", "64", "--max-new-tokens", "6", "--gamma", "3", "--no-warmup", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = results["rows"]
+    assert {row["method"] for row in rows} == {"plain", "eagle", "eagle-local", "eagle-fold"}
+    assert {row["category"] for row in rows} == {"long-300", "long-600"}
+    assert "identical" in capsys.readouterr().out

@@ -1,0 +1,329 @@
+"""Parallel drafting (DCOCO): lattice paths, the head's one-pass block, the drafter on the engine, training."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
+from test_eagle import documents, fresh_head, words_tokenizer
+from test_engine import RUNS, SMALL_VOCAB, _exact_first_two
+from tiny_models import noisy_copy, tiny_target
+from verispec import SamplingParams, SpeculativeDecoder
+from verispec.drafters import DraftContext
+from verispec.drafters.eagle import EagleDrafter, EagleHeadMismatchError, save_head, target_fingerprint
+from verispec.drafters.eagle.extract import ExtractSettings, extract_features
+from verispec.drafters.eagle.head import HeadKVCache
+from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead, best_path, load_parallel_head, save_parallel_head, top_paths
+from verispec.drafters.parallel.head import cached
+from verispec.drafters.parallel.train import ParallelTrainSettings, train_parallel_head
+from verispec.models import LoadedModel
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab_size=VOCAB)
+
+
+def parallel_head(target, block_size=4, num_layers=1, seed=0) -> ParallelHead:
+    torch.manual_seed(seed)
+    config = ParallelConfig.for_target(target.config, 24, block_size=block_size, num_layers=num_layers)
+    return ParallelHead(config).eval().requires_grad_(False)
+
+
+# --- the lattice ---------------------------------------------------------------------------------------
+
+
+def brute_force(unary, pair):
+    """Every path with its score S, best first."""
+    length, width = unary.shape
+    scored = []
+    for path in itertools.product(range(width), repeat=length):
+        score = sum(float(unary[i, c]) for i, c in enumerate(path)) + sum(float(pair[i, path[i], path[i + 1]]) for i in range(length - 1))
+        scored.append((score, path))
+    return sorted(scored, reverse=True)
+
+
+@pytest.mark.parametrize(("length", "width"), [(1, 4), (2, 3), (3, 3), (4, 2), (5, 3)])
+def test_lattice_paths_match_brute_force(length, width):
+    generator = torch.Generator().manual_seed(length * 10 + width)
+    for _ in range(5):
+        unary, pair = torch.randn(length, width, generator=generator), torch.randn(length - 1, width, width, generator=generator)
+        expected = brute_force(unary, pair)
+        path, score = best_path(unary, pair)
+        assert tuple(path.tolist()) == expected[0][1]
+        assert float(score) == pytest.approx(expected[0][0], abs=1e-5)
+        paths, scores = top_paths(unary, pair, 6)
+        assert len(paths) == min(6, width**length)
+        assert [tuple(p) for p in paths.tolist()] == [p for _, p in expected[: len(paths)]]
+        torch.testing.assert_close(scores, torch.tensor([s for s, _ in expected[: len(paths)]]), atol=1e-5, rtol=0)
+
+
+def test_pair_fit_can_overrule_the_per_position_favourite():
+    unary = torch.log(torch.tensor([[0.9, 0.1], [0.6, 0.4]]))
+    pair = torch.log(torch.tensor([[[0.05, 0.95], [0.5, 0.5]]]))  # after candidate 0, candidate 1 fits
+    assert best_path(unary, pair)[0].tolist() == [0, 1]
+    assert best_path(unary, torch.zeros(1, 2, 2))[0].tolist() == [0, 0]  # no pair information: top-1 each
+
+
+@pytest.mark.parametrize(
+    ("unary", "pair", "num_paths", "argument"),
+    [
+        (torch.zeros(3), torch.zeros(2, 1, 1), 1, "unary"),
+        (torch.zeros(3, 2), torch.zeros(3, 2, 2), 1, "pair"),
+        (torch.zeros(3, 2), torch.zeros(2, 2, 2), 0, "num_paths"),
+    ],
+)
+def test_lattice_bad_shapes_name_the_argument(unary, pair, num_paths, argument):
+    with pytest.raises(ValueError, match=argument):
+        top_paths(unary, pair, num_paths)
+
+
+# --- the head -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_cached_drafting_blocks_equal_the_training_computation(target, num_layers):
+    # Training encodes a whole sequence once and masks the context per cut point; drafting
+    # encodes it incrementally into caches. Both must give the same block for the same cut.
+    head = parallel_head(target, block_size=3, num_layers=num_layers)
+    hidden = target.config.hidden_size
+    features, embeds = torch.randn(1, 12, hidden), torch.randn(1, 12, hidden)
+    known_embeds, known = torch.randn(2, 3, hidden), torch.tensor([[False, True, False], [False, False, False]])
+    cuts = torch.tensor([4, 9])  # context positions 0..t visible, block at t+1
+    whole, outputs = head.encode_context(features, embeds)
+    visible = torch.arange(12)[None] <= cuts[:, None]
+    trained = head.draft_block(whole, outputs[0, cuts], cuts + 1, known_embeds, known, visible)
+    caches = [HeadKVCache() for _ in range(num_layers)]
+    head.encode_context(features[:, :3], embeds[:, :3], start=0, caches=caches)
+    _, last = head.encode_context(features[:, 3:5], embeds[:, 3:5], start=3, caches=caches)
+    first = head.draft_block([cached(c) for c in caches], last[:, -1], torch.tensor([5]), known_embeds[:1], known[:1])
+    _, last = head.encode_context(features[:, 5:10], embeds[:, 5:10], start=5, caches=caches)
+    second = head.draft_block([cached(c) for c in caches], last[:, -1], torch.tensor([10]), known_embeds[1:], known[1:])
+    torch.testing.assert_close(torch.cat([first, second]), trained, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="position"):
+        head.encode_context(features[:, :1], embeds[:, :1], start=3, caches=caches)
+
+
+def test_a_known_slot_changes_its_neighbours_only_through_attention(target):
+    head = parallel_head(target, block_size=3)
+    hidden = target.config.hidden_size
+    context, outputs = head.encode_context(torch.randn(1, 5, hidden), torch.randn(1, 5, hidden))
+    start, anchor = torch.tensor([5, 5]), outputs[:, -1]
+    known = torch.tensor([[False, False, False], [True, False, False]])
+    out = head.draft_block(context, anchor, start, torch.randn(2, 3, hidden), known)
+    assert not torch.allclose(out[0, 1], out[1, 1])  # slot 1 reads the known token at slot 0
+    torch.testing.assert_close(head.draft_block(context, anchor, start[:1])[0], out[0])  # no known slot: no effect
+
+
+@pytest.mark.parametrize(("field", "value"), [("block_size", 0), ("num_layers", 3)])
+def test_bad_parallel_config_names_the_field(field, value):
+    good = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=16, vocab_size=10)
+    with pytest.raises(ValueError, match=field):
+        ParallelConfig(**good, **{field: value})
+
+
+# --- the drafter on the engine ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("block_size", "candidates", "correction"), [(1, 1, False), (4, 1, False), (4, 3, True), (3, 4, True)])
+def test_greedy_output_is_token_identical_to_plain(target, block_size, candidates, correction):
+    drafter = ParallelDrafter(target, parallel_head(target, block_size=4), block_size=block_size, candidates=candidates, correction=correction)
+    plain = SpeculativeDecoder(target)
+    for gamma in (2, 5):
+        decoder = SpeculativeDecoder(target, drafter, gamma=gamma)
+        for prompt in ([7], list(range(10, 40))):  # a 1-token prompt has no features in its first round
+            result = decoder.generate(prompt, 24, stop=[])
+            assert result.token_ids == plain.generate(prompt, 24, stop=[]).token_ids
+            assert all(0 <= a <= d <= min(gamma, block_size) for d, a in zip(result.stats.drafted_per_round, result.stats.accepted_per_round))
+            assert all(1 <= a + 1 <= gamma + 1 for a in result.stats.accepted_per_round)  # 1..gamma+1 tokens per call
+
+
+def test_draft_vocab_restricts_the_drafts_and_stays_exact(target):
+    subset = torch.tensor([2, 5, 11, 40, 41, 60])
+    drafter = ParallelDrafter(target, parallel_head(target), draft_vocab=subset, candidates=3)
+    session = drafter.start([1, 2, 3], SamplingParams())
+    with torch.no_grad():
+        features = target.model(torch.tensor([[1, 2]])).last_hidden_state[0]
+    proposal = session.propose(DraftContext([1, 2, 3], features, 0), 4, torch.Generator())
+    assert len(proposal.tokens) == 4 and set(proposal.tokens) <= set(subset.tolist()) and proposal.probs is None
+    prompt = list(range(20, 35))
+    assert SpeculativeDecoder(target, drafter, gamma=4).generate(prompt, 25, stop=[]).token_ids == SpeculativeDecoder(target).generate(prompt, 25, stop=[]).token_ids
+
+
+@pytest.mark.parametrize(("correction", "block_passes"), [(False, 1), (True, 2)])
+def test_one_block_pass_per_round_plus_one_for_correction(target, correction, block_passes):
+    head = parallel_head(target, block_size=4)
+    calls = []
+    hook = head.layers[0].register_forward_hook(lambda *args: calls.append(1))  # one per head pass
+    try:
+        session = ParallelDrafter(target, head, candidates=3, correction=correction).start([1, 2, 3, 4], SamplingParams())
+        with torch.no_grad():
+            features = target.model(torch.tensor([[1, 2, 3, 4, 5]])).last_hidden_state[0]
+        first = session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 4, torch.Generator())
+        assert len(first.tokens) == 4
+        assert first.num_forward_passes == len(calls) == 1 + block_passes  # catch-up, then the block (+ correction)
+        calls.clear()
+        again = session.propose(DraftContext([1, 2, 3, 4, 5, 6], features[3:5], 3), 4, torch.Generator())
+        assert again.num_forward_passes == len(calls) == 1 + block_passes
+        calls.clear()
+        nothing_new = session.propose(DraftContext([1, 2, 3, 4, 5, 6]), 4, torch.Generator())
+        assert nothing_new.num_forward_passes == len(calls) == block_passes  # no catch-up without new features
+        assert len(session.propose(DraftContext([1, 2, 3, 4, 5, 6]), 1, torch.Generator()).tokens) == 1  # one draft: nothing to correct
+    finally:
+        hook.remove()
+
+
+def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
+    head = parallel_head(target, block_size=3)
+    drafter = ParallelDrafter(target, head, candidates=2)
+    session = drafter.start([1, 2, 3], SamplingParams())
+    with torch.no_grad():
+        features = target.model(torch.tensor([[1, 2, 3, 4]])).last_hidden_state[0]
+    session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 3, torch.Generator())  # fills the caches
+    encoded, start = [cached(c) for c in session.caches], torch.tensor([3])
+    index = torch.tensor([[5, 9], [1, 7], [3, 2]])  # candidates per position
+    pair = session._pair_fit(encoded, start, index)
+    for i, c in itertools.product(range(2), range(2)):
+        known = torch.zeros(1, 3, dtype=torch.bool)
+        known[0, i] = True
+        embeds = torch.zeros(1, 3, target.config.hidden_size)
+        embeds[0, i] = drafter.embed(index[i, c])
+        following = head.draft_block(encoded, session.anchor, start, embeds, known)[0, i + 1]
+        expected = (drafter.lm_head.weight[index[i + 1]] @ following).log_softmax(-1)
+        torch.testing.assert_close(pair[i, c], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    # The corrected path is a deterministic draft: the verifier's one-hot rule keeps the output exact.
+    sampling = SamplingParams(temperature=0.9, top_p=0.9)
+    target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
+    prompt = [1, 3, 2, 1, 3, 2, 1]
+    expected = _exact_first_two(target, prompt, sampling)
+    decoder = SpeculativeDecoder(target, ParallelDrafter(target, parallel_head(target, block_size=2, seed=3), candidates=3), gamma=2)
+    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
+    accepted = 0
+    runs = RUNS // 2  # half the engine's runs keep this under a minute; a biased rule still fails by far
+    for seed in range(runs):
+        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+        result = decoder.generate(prompt, 2, params, stop=[])
+        counts[result.token_ids[0], result.token_ids[1]] += 1
+        accepted += result.stats.num_accepted
+    assert 0.05 * runs < accepted < runs  # the drafts are neither always right nor always wrong
+    assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize(
+    ("options", "argument"),
+    [({"block_size": 5}, "block_size"), ({"block_size": 0}, "block_size"), ({"candidates": 0}, "candidates"), ({"candidates": 97}, "candidates")],
+)
+def test_bad_drafter_options_name_the_option(target, options, argument):
+    with pytest.raises(ValueError, match=argument):
+        ParallelDrafter(target, parallel_head(target, block_size=4), **options)
+
+
+def test_feature_drafters_refuse_a_head_of_the_wrong_kind_or_width(target):
+    with pytest.raises(ValueError, match="instance of ParallelHead"):
+        ParallelDrafter(target, torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="instance of EagleHead"):
+        EagleDrafter(target, parallel_head(target))
+    wide = ParallelHead(dataclasses.replace(parallel_head(target).config, hidden_size=2 * target.config.hidden_size))
+    with pytest.raises(ValueError, match="does not match the target"):
+        ParallelDrafter(target, wide)
+
+
+# --- checkpoints and training ---------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_and_refusals(target, tmp_path):
+    head = parallel_head(target, block_size=3, num_layers=2)
+    path = save_parallel_head(tmp_path / "parallel.safetensors", head, draft_vocab=torch.arange(10), fingerprint=target_fingerprint(target))
+    loaded, vocab = load_parallel_head(path, target)
+    torch.testing.assert_close(loaded.state_dict(), head.state_dict())
+    assert loaded.config == head.config and vocab.tolist() == list(range(10))
+    with pytest.raises(EagleHeadMismatchError, match="different target"):
+        load_parallel_head(path, noisy_copy(target, noise=0.05))
+    with pytest.raises(EagleHeadMismatchError, match="vocab_size"):
+        ParallelDrafter(tiny_target(vocab_size=VOCAB + 4), path)
+    eagle = save_head(tmp_path / "eagle.safetensors", fresh_head(target), draft_vocab=None, fingerprint=target_fingerprint(target))
+    with pytest.raises(ValueError, match="not a verispec parallel head"):
+        load_parallel_head(eagle, target)
+
+
+def test_training_lowers_the_loss_resumes_and_drafts(target, tmp_path):
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    extract_features(loaded, documents(40), tmp_path / "features", ExtractSettings(max_tokens=1600), progress=False)
+    eagle_path = save_head(tmp_path / "eagle.safetensors", fresh_head(target, intermediate_size=32), draft_vocab=torch.arange(0, VOCAB, 2), fingerprint=target_fingerprint(target))
+    settings = ParallelTrainSettings(
+        epochs=3, lr=1e-2, warmup_steps=2, sequences_per_step=2, cuts_per_sequence=16, block_size=3, intermediate_size=32,
+        init_from_eagle=True, checkpoint_every=5, validation_fraction=0.1,
+    )  # fmt: skip
+    out = tmp_path / "parallel.safetensors"
+    result = train_parallel_head(target, tmp_path / "features", out, settings, eagle_head=eagle_path, progress=False)
+    before, after = result["validation_before"], result["validation"]
+    assert after["kl"] < 0.7 * before["kl"]  # KL(p_target || q_draft): the loss above its floor
+    assert sum(after["top1_by_slot"]) > sum(before["top1_by_slot"]) and len(after["top1_by_slot"]) == 3
+    head, vocab = load_parallel_head(out, target)
+    assert vocab.tolist() == list(range(0, VOCAB, 2))  # the EAGLE head's draft vocabulary
+    again = train_parallel_head(target, tmp_path / "features", out, settings, eagle_head=eagle_path, progress=False)
+    assert again["steps"] == result["steps"] and again["validation"]["loss"] == pytest.approx(after["loss"])  # finished: resumed, not redone
+    with pytest.raises(ValueError, match="other settings"):
+        train_parallel_head(target, tmp_path / "features", out, ParallelTrainSettings(**{**settings.__dict__, "lr": 1e-3}), eagle_head=eagle_path, progress=False)
+    with pytest.raises(ValueError, match="init_from_eagle"):
+        train_parallel_head(target, tmp_path / "features", tmp_path / "other.safetensors", settings, progress=False)
+    decoder = SpeculativeDecoder(target, ParallelDrafter(target, head, candidates=2), gamma=3)
+    assert decoder.generate([1, 2, 3], 20, stop=[]).token_ids == SpeculativeDecoder(target).generate([1, 2, 3], 20, stop=[]).token_ids
+
+
+@pytest.mark.parametrize(("field", "value"), [("block_size", 0), ("known_fraction", 1.0), ("num_layers", 3), ("cuts_per_sequence", 0)])
+def test_bad_train_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        ParallelTrainSettings(**{field: value})
+
+
+# --- command line and costs ----------------------------------------------------------------------------
+
+
+def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsys):
+    from tiny_models import write_tiny_qwen2_gguf
+    from verispec.cli import main
+    from verispec.models import load_model
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_qwen2_gguf(gguf)
+    model = load_model(str(gguf)).model
+    head = parallel_head(model, block_size=3)
+    path = save_parallel_head(tmp_path / "parallel.safetensors", head, draft_vocab=None, fingerprint=target_fingerprint(model))
+    common = ["generate", "--target", str(gguf), "--max-new-tokens", "10", "--raw", "hello the"]
+    assert main([*common, "--draft", "none"]) == 0
+    plain = capsys.readouterr().out
+    for extra in ([], ["--no-correction"], ["--block-size", "2", "--candidates", "2"]):
+        assert main([*common, "--drafter", "parallel", "--parallel-head", str(path), *extra]) == 0
+        assert capsys.readouterr().out == plain
+    for extra, message in ((["--block-size", "4"], "block_size"), (["--candidates", "0"], "--candidates"), (["--parallel-head", str(tmp_path / "none")], "parallel head")):
+        arguments = [*common, "--drafter", "parallel", "--parallel-head", str(path), *extra]
+        try:
+            code = main(arguments)
+        except SystemExit as exit_:  # refused by argparse at parse time
+            code = exit_.code
+        assert code == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and message in err and "Traceback" not in err
+
+
+def test_proposal_cost_times_drafting_only(target):
+    from verispec.bench.costs import proposal_cost
+
+    head = parallel_head(target, block_size=4)
+    calls = []
+    hook = head.layers[0].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        seconds = proposal_cost(ParallelDrafter(target, head, correction=False), context_tokens=20, num_drafts=4, repeats=3)
+    finally:
+        hook.remove()
+    assert seconds > 0
+    assert len(calls) == 2 + 4  # the untimed catch-up round (catch-up + block), then warm-up + 3 timed block passes
+    assert proposal_cost(EagleDrafter(target, fresh_head(target)), context_tokens=20, num_drafts=4, repeats=3) > 0
