@@ -178,6 +178,18 @@ def _exact_first_two(model, prompt, sampling):
     return table
 
 
+def _sample_first_two(decoder, prompt, sampling, runs, max_new_tokens=2):
+    """Counts of the first two generated tokens # [SMALL_VOCAB, SMALL_VOCAB] over ``runs`` seeds, and the drafts accepted."""
+    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
+    accepted = 0
+    for seed in range(runs):
+        params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+        result = decoder.generate(prompt, max_new_tokens, params, stop=[])
+        counts[result.token_ids[0], result.token_ids[1]] += 1
+        accepted += result.stats.num_accepted
+    return counts, accepted
+
+
 def _eagle_head(target):
     torch.manual_seed(3)
     return EagleHead(EagleConfig.for_target(target.config, intermediate_size=16)).eval()
@@ -221,13 +233,7 @@ def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind)
     costs = _FixedCosts(draft_step_s=0.3, verify_s={1: 1.0, 2: 1.2, 3: 1.4})
     adaptive = drafter_kind.endswith("-adaptive") and AdaptiveGamma(2, alpha_prior=0.6, costs=costs)
     decoder = SpeculativeDecoder(target, drafter, gamma=2, adaptive_gamma=adaptive)
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
-    accepted = 0
-    for seed in range(RUNS):
-        params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
-        result = decoder.generate(prompt, 3 if adaptive else 2, params, stop=[])
-        counts[result.token_ids[0], result.token_ids[1]] += 1
-        accepted += result.stats.num_accepted
+    counts, accepted = _sample_first_two(decoder, prompt, sampling, RUNS, 3 if adaptive else 2)
     assert 0.1 * RUNS < accepted < RUNS  # the draft is neither always right nor always wrong
     assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
 

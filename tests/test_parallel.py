@@ -8,7 +8,7 @@ import torch
 
 from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
 from test_eagle import documents, fresh_head, words_tokenizer
-from test_engine import RUNS, SMALL_VOCAB, _exact_first_two
+from test_engine import RUNS, SMALL_VOCAB, _exact_first_two, _sample_first_two
 from tiny_models import noisy_copy, tiny_target
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import DraftContext
@@ -204,14 +204,8 @@ def test_sampled_tokens_follow_the_target_distribution():
     prompt = [1, 3, 2, 1, 3, 2, 1]
     expected = _exact_first_two(target, prompt, sampling)
     decoder = SpeculativeDecoder(target, ParallelDrafter(target, parallel_head(target, block_size=2, seed=3), candidates=3), gamma=2)
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
-    accepted = 0
     runs = RUNS // 2  # half the engine's runs keep this under a minute; a biased rule still fails by far
-    for seed in range(runs):
-        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
-        result = decoder.generate(prompt, 2, params, stop=[])
-        counts[result.token_ids[0], result.token_ids[1]] += 1
-        accepted += result.stats.num_accepted
+    counts, accepted = _sample_first_two(decoder, prompt, sampling, runs)
     assert 0.05 * runs < accepted < runs  # the drafts are neither always right nor always wrong
     assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
 

@@ -149,7 +149,6 @@ class SpeculativeDecoder:
         controller = self._gamma_controller
         if controller is not None:
             controller.start_sequence()
-        drafted_before = False  # a session's first proposal also pays the drafter's prompt prefill
         self._generations += 1
         scopes = ("global", f"generation:{self._generations}")
         resumed = time.perf_counter()  # total_s counts our work, not the time a consumer holds a step
@@ -184,9 +183,7 @@ class SpeculativeDecoder:
                 tokens.extend(new_tokens)
                 stats.record_round(len(drafts), num_accepted, len(new_tokens), proposal.num_forward_passes)
                 if controller is not None:
-                    passes = proposal.num_forward_passes if drafted_before else 0  # prefill is no draft step
-                    controller.observe(len(drafts), num_accepted, draft_elapsed, verify_clock.elapsed, passes)
-                drafted_before = drafted_before or proposal.num_forward_passes > 0
+                    controller.observe(len(drafts), num_accepted, draft_elapsed, verify_clock.elapsed, proposal.num_forward_passes)
                 finish = "stop" if stopped else "length" if stats.new_tokens >= max_new_tokens else None
                 stats.total_s += time.perf_counter() - resumed
                 rolling = None

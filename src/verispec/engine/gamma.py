@@ -67,6 +67,7 @@ class AdaptiveGamma:
     _plain_rounds: int = field(init=False, default=0)
     _probe_interval: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=False)
+    _drafted: bool = field(init=False, default=False)  # this sequence's drafter has run (its prompt prefill is paid)
 
     def __post_init__(self) -> None:
         if self.max_gamma < 1:
@@ -79,6 +80,7 @@ class AdaptiveGamma:
         self._plain_rounds = 0
         self._probe_interval = self.first_probe_interval
         self._probing = False
+        self._drafted = False
 
     def expected_tokens(self, gamma: int) -> float:
         alpha = min(self.alpha, 0.999)
@@ -107,7 +109,10 @@ class AdaptiveGamma:
 
     def observe(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float, draft_passes: int) -> None:
         """Fold one round's outcome and timings into the estimates."""
-        self.costs.observe(num_drafted + 1, verify_s, draft_s, draft_passes)
+        # A sequence's first drafting round also pays the drafter's prompt prefill: it times no draft step.
+        timed_passes = draft_passes if self._drafted else 0
+        self._drafted = self._drafted or draft_passes > 0
+        self.costs.observe(num_drafted + 1, verify_s, draft_s, timed_passes)
         if num_drafted > 0:
             # A round is a run of successes ended by one failure unless every draft was accepted.
             failures = 1 if num_accepted < num_drafted else 0

@@ -121,7 +121,6 @@ class _Row:
     last_emitted: float | None = None
     round_draft_s: float = 0.0  # this round's drafting time (the monitor charges it with the shared pass)
     round_controlled: bool = False  # this round's gamma came from the controller: it learns from the outcome
-    drafted_before: bool = False  # a session's first proposal also pays the drafter's prompt prefill
 
     @property
     def scopes(self) -> tuple[str, str, str]:
@@ -311,9 +310,7 @@ class Scheduler:
         stats = row.stats
         stats.record_round(len(proposal.tokens), num_accepted, len(new_tokens), proposal.num_forward_passes)
         if row.round_controlled:
-            passes = proposal.num_forward_passes if row.drafted_before else 0  # prefill is no draft step
-            row.controller.observe(len(proposal.tokens), num_accepted, row.round_draft_s, pass_s, passes)
-        row.drafted_before = row.drafted_before or proposal.num_forward_passes > 0
+            row.controller.observe(len(proposal.tokens), num_accepted, row.round_draft_s, pass_s, proposal.num_forward_passes)
         now = time.perf_counter()
         stats.total_s = now - request.arrived
         self._record(row, len(proposal.tokens), num_accepted, len(new_tokens), now)

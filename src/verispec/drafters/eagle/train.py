@@ -116,18 +116,12 @@ def train_head(
     head = EagleHead(config)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     draft_vocab = most_frequent_tokens(training, settings.draft_vocab, vocab_size) if 0 < settings.draft_vocab < vocab_size else None
-    lm_weight = model.get_output_embeddings().weight.detach()
-    head_rows = (lm_weight[draft_vocab] if draft_vocab is not None else lm_weight).float()
-    objective = _Objective(head, model.get_input_embeddings(), head_rows, settings)
+    objective = _Objective(head, model.get_input_embeddings(), lm_head_rows(model, draft_vocab), settings)
 
     tokens_per_epoch = sum(len(tokens) - 1 for tokens, _ in training)
     total_steps = max(1, math.ceil(settings.epochs * tokens_per_epoch / settings.tokens_per_step))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings.warmup_steps, total_steps))
-    generator = torch.Generator().manual_seed(settings.seed)
-    checkpoint_path = out_path.with_name(out_path.name + ".checkpoint.pt")
     # position: index into the epoch-by-epoch order of training sequences
-    step, position = resume_checkpoint(checkpoint_path, head, optimizer, schedule, generator, settings, fingerprint, corpora)
+    optimizer, schedule, generator, checkpoint_path, step, position = start_run(head, settings, total_steps, out_path, fingerprint, corpora)
 
     before = evaluate(objective, validation) if step == 0 else None  # the untrained head, for comparison
     order = epoch_order(len(training), settings.seed)
@@ -228,6 +222,29 @@ def epoch_order(count: int, seed: int):  # noqa: ANN202 - epoch -> permutation
         return cache[epoch]
 
     return order
+
+
+def lm_head_rows(model, draft_vocab: torch.Tensor | None) -> torch.Tensor:  # noqa: ANN001 - a causal LM
+    """The frozen LM head's rows a head trains against # [draft_vocab or vocab, hidden] float32.
+
+    draft_vocab: # [draft_vocab] token ids, or None for the whole vocabulary.
+    """
+    lm_weight = model.get_output_embeddings().weight.detach()
+    return (lm_weight[draft_vocab] if draft_vocab is not None else lm_weight).float()
+
+
+def start_run(head, settings, total_steps: int, out_path: Path, fingerprint: str, corpora):  # noqa: ANN001, ANN201
+    """AdamW with warm-up + cosine decay and the run's generator, resumed from ``out_path``'s checkpoint if any.
+
+    Returns (optimizer, schedule, generator, checkpoint path, step, position); ``settings`` needs
+    lr, weight_decay, warmup_steps and seed.
+    """
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings.warmup_steps, total_steps))
+    generator = torch.Generator().manual_seed(settings.seed)
+    checkpoint_path = out_path.with_name(out_path.name + ".checkpoint.pt")
+    step, position = resume_checkpoint(checkpoint_path, head, optimizer, schedule, generator, settings, fingerprint, corpora)
+    return optimizer, schedule, generator, checkpoint_path, step, position
 
 
 def resume_checkpoint(path: Path, head, optimizer, schedule, generator, settings, fingerprint, corpora) -> tuple[int, int]:  # noqa: ANN001

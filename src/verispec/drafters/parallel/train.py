@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from verispec.drafters.eagle.checkpoint import load_head, target_fingerprint
-from verispec.drafters.eagle.train import epoch_order, load_sequences, lr_factor, most_frequent_tokens, resume_checkpoint, save_checkpoint
+from verispec.drafters.eagle.train import epoch_order, lm_head_rows, load_sequences, most_frequent_tokens, save_checkpoint, start_run
 from verispec.drafters.parallel.checkpoint import save_parallel_head
 from verispec.drafters.parallel.head import ParallelConfig, ParallelHead
 
@@ -145,16 +145,10 @@ def train_parallel_head(
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if draft_vocab is None and 0 < settings.draft_vocab < vocab_size:
         draft_vocab = most_frequent_tokens(training, settings.draft_vocab, vocab_size)
-    lm_weight = model.get_output_embeddings().weight.detach()
-    head_rows = (lm_weight[draft_vocab] if draft_vocab is not None else lm_weight).float()
-    objective = BlockObjective(head, model.get_input_embeddings(), head_rows, settings)
+    objective = BlockObjective(head, model.get_input_embeddings(), lm_head_rows(model, draft_vocab), settings)
 
     total_steps = max(1, math.ceil(settings.epochs * len(training) / settings.sequences_per_step))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings.warmup_steps, total_steps))
-    generator = torch.Generator().manual_seed(settings.seed)
-    checkpoint_path = out_path.with_name(out_path.name + ".checkpoint.pt")
-    step, position = resume_checkpoint(checkpoint_path, head, optimizer, schedule, generator, settings, fingerprint, corpora)
+    optimizer, schedule, generator, checkpoint_path, step, position = start_run(head, settings, total_steps, out_path, fingerprint, corpora)
 
     def save(result: dict) -> None:
         save_parallel_head(out_path, head, draft_vocab=draft_vocab, fingerprint=fingerprint, training={**asdict(settings), **result, "corpora": corpora})
