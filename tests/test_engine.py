@@ -211,8 +211,9 @@ class _FixedCosts(StepCosts):
         (SamplingParams(temperature=1.0), "eagle"),
         (SamplingParams(temperature=0.9, top_p=0.8), "eagle-draft-vocab"),
         (SamplingParams(temperature=1.0), "draft-model-adaptive"),
+        (SamplingParams(temperature=0.9, top_k=4), "draft-model-vocab"),
     ],
-    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab", "adaptive-gamma"],
+    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab", "adaptive-gamma", "draft-model-draft-vocab"],
 )
 def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind):
     target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
@@ -227,6 +228,7 @@ def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind)
         "eagle": lambda: EagleDrafter(target, _eagle_head(target)),
         # Drafts only from tokens 1, 2, 4: zero draft mass on the others must stay exact.
         "eagle-draft-vocab": lambda: EagleDrafter(target, _eagle_head(target), draft_vocab=torch.tensor([1, 2, 4])),
+        "draft-model-vocab": lambda: DraftModel(draft, draft_vocab=torch.tensor([1, 2, 4])),
     }[drafter_kind]()
     # Adaptive: fixed costs as if drafting were cheap, so the controller drafts or not by each text's acceptance.
     # With this prior one draft pays until a rejection, then plain rounds: the drafts depend on the history.
@@ -352,6 +354,33 @@ def test_int8_quantized_draft_keeps_output_exact(target):
     result = SpeculativeDecoder(target, DraftModel(quantized), gamma=4).generate([6, 1, 7], 40, stop=[])
     assert result.token_ids == SpeculativeDecoder(target).generate([6, 1, 7], 40, stop=[]).token_ids
     assert result.stats.acceptance_rate > 0.3
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+def test_reduced_draft_vocabulary_drafts_only_from_it_and_stays_exact(target, quantized):
+    from verispec.models import quantize_int8
+
+    draft = noisy_copy(target, noise=0.1)
+    draft.generation_config.eos_token_id = 90  # a special id past the first N: always kept
+    draft = quantize_int8(draft) if quantized else draft
+    drafter = DraftModel(draft, draft_vocab=48)
+    rows = drafter.lm_head.weight() if quantized else drafter.lm_head.weight  # [49, hidden]
+    assert drafter.vocab_ids.tolist() == [*range(48), 90] and rows.shape[0] == 49
+    assert ("quantized" in type(drafter.lm_head).__module__) == quantized  # the rows keep the model head's precision
+    prompt = list(range(10, 30))
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
+        result = SpeculativeDecoder(target, drafter, gamma=4).generate(prompt, 40, sampling, stop=[])
+        assert result.stats.num_drafted > 0
+        if sampling.is_greedy:
+            assert result.token_ids == SpeculativeDecoder(target).generate(prompt, 40, stop=[]).token_ids
+    session = drafter.start(prompt, SamplingParams(temperature=1.0))
+    proposal = session.propose(DraftContext(prompt), 6, torch.Generator().manual_seed(0))
+    assert set(proposal.tokens) <= set(drafter.vocab_ids.tolist())
+    assert proposal.probs.shape == (len(proposal.tokens), 96) and float(proposal.probs[:, 48:90].sum()) == 0.0
+    with pytest.raises(ValueError, match="draft_vocab"):
+        DraftModel(draft, draft_vocab=0)
+    with pytest.raises(ValueError, match="draft_vocab"):
+        DraftModel(draft, draft_vocab=[1, 2])
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=4)], ids=["greedy", "sampled"])

@@ -1,26 +1,39 @@
 """The adaptive gamma controller on simulated rounds, and adaptive decoding staying exact."""
 
+import functools
 import random
+import statistics
 
 import pytest
 
 from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.drafters import CombinedDrafter, NgramDrafter
-from verispec.engine.gamma import AdaptiveGamma
+from verispec.engine.gamma import AdaptiveGamma, StepCosts
 
 
 def _simulate(controller, rounds, acceptance, verify_cost, draft_cost, rng):
-    """Feed the controller rounds drawn from an i.i.d. acceptance model; return chosen gammas."""
+    """Feed the controller simulated rounds; return the chosen gammas.
+
+    acceptance: a per-draft probability (i.i.d.) or a function (gamma, rng) -> accepted drafts;
+    draft_cost: seconds per draft, or a function gamma -> seconds of a round's drafting.
+    """
+    accepted_drafts = acceptance if callable(acceptance) else functools.partial(_iid_accepted, acceptance)
+    drafting = draft_cost if callable(draft_cost) else (lambda gamma: gamma * draft_cost)
     chosen = []
     for _ in range(rounds):
         gamma = controller.choose()
-        accepted = 0
-        while accepted < gamma and rng.random() < acceptance:
-            accepted += 1
-        controller.observe(gamma, accepted, gamma * draft_cost, verify_cost(gamma + 1), gamma)
+        accepted = min(accepted_drafts(gamma, rng), gamma)
+        controller.observe(gamma, accepted, drafting(gamma), verify_cost(gamma + 1), gamma)
         chosen.append(gamma)
     return chosen
+
+
+def _iid_accepted(rate, gamma, rng):
+    accepted = 0
+    while accepted < gamma and rng.random() < rate:
+        accepted += 1
+    return accepted
 
 
 def cpu_like_verify(rows):
@@ -39,6 +52,76 @@ def test_verify_cost_jump_keeps_gamma_below_it():
     chosen = _simulate(controller, 300, 0.8, cpu_like_verify, 0.12, random.Random(1))
     tail = chosen[-100:]
     assert max(set(tail), key=tail.count) == 2  # 3 rows: the largest pass that costs the same as 1
+
+
+def measured_verify(rows):
+    """The built-in 1.5B target here (seconds per pass over ``rows`` new tokens, 2 threads)."""
+    return {1: 0.350, 2: 0.351, 3: 0.403, 4: 0.456, 5: 0.467, 6: 0.485}.get(rows, 0.53)
+
+
+def test_bursty_acceptance_keeps_drafting_long():
+    """Code-like text: a round's first draft is the risk; once it is accepted the line usually is.
+
+    Here drafting 6 pays ~15% more than drafting 2 (4.6 vs 2.3 tokens a round). A controller with
+    one i.i.d. acceptance rate reads every rejection as "all drafts are 0.88-likely" and keeps
+    choosing 2-3; per-position estimates see that only draft 1 is uncertain.
+    """
+
+    def bursty(gamma, rng):
+        if gamma == 0 or rng.random() >= 0.65:  # the first draft: the risk
+            return 0
+        return 1 + _iid_accepted(0.97, gamma - 1, rng)  # a predictable stretch
+
+    chosen = _simulate(AdaptiveGamma(max_gamma=6), 300, bursty, measured_verify, 0.072, random.Random(5))
+    drafting = [gamma for gamma in chosen[-150:] if gamma]  # (plain stretches: h_1 = 0.65 dips now and then)
+    assert sum(gamma >= 5 for gamma in drafting) >= 0.75 * len(drafting), drafting
+
+
+def test_draft_cost_fit_separates_the_per_round_cost_from_the_per_draft_cost():
+    costs = StepCosts()
+    rng = random.Random(6)
+    for _ in range(60):
+        drafted = rng.randint(1, 6)  # what a controller's varying gamma produces
+        costs.observe(drafted + 1, 0.3, 0.06 + 0.05 * drafted + rng.uniform(-0.002, 0.002), drafted)
+    assert costs.draft_base_s == pytest.approx(0.06, abs=0.01) and costs.draft_step_s == pytest.approx(0.05, abs=0.003)
+    assert costs.draft_cost(0) == 0.0 and costs.draft_cost(4) == pytest.approx(0.26, abs=0.01)
+    same = StepCosts()
+    for _ in range(10):  # one gamma only: slope and intercept are not separable, charge per draft
+        same.observe(5, 0.3, 0.3, 4)
+    assert same.draft_base_s == pytest.approx(0.0) and same.draft_step_s == pytest.approx(0.075)
+    block = StepCosts()
+    for drafted in [1, 5, 3, 5, 2, 4] * 5:  # a block drafter: one pass whatever gamma
+        block.observe(drafted + 1, 0.3, 0.02, drafted)
+    assert block.draft_step_s == pytest.approx(0.0, abs=1e-9) and block.draft_base_s == pytest.approx(0.02)
+
+
+def test_per_round_draft_cost_favours_longer_rounds():
+    """The same acceptance and mean cost per draft, but most of it paid once per round: draft longer."""
+    chosen = {}
+    for base in (0.0, 0.15):
+        drafting = functools.partial(lambda base, gamma: base + 0.06 * gamma if gamma else 0.0, base)
+        gammas = _simulate(AdaptiveGamma(max_gamma=6), 200, 0.75, measured_verify, drafting, random.Random(7))
+        chosen[base] = statistics.median(gamma for gamma in gammas[-100:] if gamma)
+    # Best by the true costs at acceptance 0.75: gamma 2 without a per-round cost, 4 with it.
+    assert chosen[0.0] <= 2 and chosen[0.15] >= 4, chosen
+
+
+def test_slow_start_risks_few_drafts_until_the_text_has_been_drafted():
+    costs = StepCosts(draft_step_s=0.05, verify_s={1: 0.3})
+    controller = AdaptiveGamma(max_gamma=6, costs=costs)
+    assert controller.choose() == 2  # the optimistic prior alone would pick more (checked below)
+    assert AdaptiveGamma(max_gamma=6, costs=costs, first_max_drafts=6).choose() > 2
+    controller.observe(2, 2, 0.1, 0.3, 2)  # all accepted: the limit doubles
+    assert controller.choose() == 4
+    controller.observe(4, 4, 0.2, 0.3, 4)
+    assert controller.choose() > 4  # the limit (8) is past max_gamma: the cost model decides
+    controller.start_sequence()  # a new text starts small again
+    assert controller.choose() == 2
+    rejecting = AdaptiveGamma(max_gamma=6, costs=StepCosts(draft_step_s=0.05, verify_s={1: 0.3}))
+    drafted = _simulate(rejecting, 20, 0.0, measured_verify, 0.05, random.Random(8))
+    assert max(drafted) <= 2 and sum(drafted) <= 8, drafted  # adversarial text: few drafts wasted
+    with pytest.raises(ValueError, match="first_max_drafts"):
+        AdaptiveGamma(max_gamma=4, first_max_drafts=0)
 
 
 def test_collapse_switches_to_plain_and_probes_with_backoff():

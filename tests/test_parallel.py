@@ -17,7 +17,7 @@ from verispec.drafters.eagle.extract import ExtractSettings, extract_features
 from verispec.drafters.eagle.head import HeadKVCache
 from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead, best_path, load_parallel_head, save_parallel_head, top_paths
 from verispec.drafters.parallel.head import cached
-from verispec.drafters.parallel.train import ParallelTrainSettings, train_parallel_head
+from verispec.drafters.parallel.train import BlockObjective, ParallelTrainSettings, train_parallel_head
 from verispec.models import LoadedModel
 
 VOCAB = 96
@@ -154,6 +154,40 @@ def test_draft_vocab_restricts_the_drafts_and_stays_exact(target):
     assert SpeculativeDecoder(target, drafter, gamma=4).generate(prompt, 25, stop=[]).token_ids == SpeculativeDecoder(target).generate(prompt, 25, stop=[]).token_ids
 
 
+def test_first_draft_from_the_anchor_is_eagles_readout_and_stays_exact(target):
+    head = parallel_head(target, block_size=4)
+    anchored = ParallelHead(dataclasses.replace(head.config, first_from_anchor=True))
+    anchored.load_state_dict(head.state_dict())
+    anchored.eval().requires_grad_(False)
+    tokens = list(range(10, 30))
+    with torch.no_grad():
+        features = target.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]  # f_0 .. f_{L-2}
+        _, outputs = anchored.encode_context(features[None], target.get_input_embeddings()(torch.tensor([tokens[1:]])))
+        expected_first = int(target.lm_head(anchored.norm(outputs[0, -1])).argmax())  # EAGLE's first draft
+
+    def block(drafter):
+        return drafter.start(tokens, SamplingParams()).propose(DraftContext(tokens, features, 0), 4, torch.Generator()).tokens
+
+    from_anchor, from_slots = block(ParallelDrafter(target, anchored, correction=False)), block(ParallelDrafter(target, head, correction=False))
+    assert from_anchor[0] == expected_first and from_anchor[1:] == from_slots[1:]  # only the first draft's source changes
+    prompt = list(range(40, 60))
+    for correction in (False, True):
+        result = SpeculativeDecoder(target, ParallelDrafter(target, anchored, candidates=3, correction=correction), gamma=4).generate(prompt, 24, stop=[])
+        assert result.token_ids == SpeculativeDecoder(target).generate(prompt, 24, stop=[]).token_ids
+
+
+def test_int8_head_is_a_quantised_copy_and_stays_exact(target):
+    head = parallel_head(target, block_size=4)
+    drafter = ParallelDrafter(target, head, draft_vocab=torch.arange(0, VOCAB, 2), candidates=3, quantize=True)
+    assert type(head.layers[0].q_proj) is torch.nn.Linear  # the caller's head is untouched
+    assert "quantized" in type(drafter.head.layers[0].q_proj).__module__ and "quantized" in type(drafter.lm_head).__module__
+    decoder = SpeculativeDecoder(target, drafter, gamma=4)
+    prompt = list(range(20, 35))
+    result = decoder.generate(prompt, 25, stop=[])
+    assert result.token_ids == SpeculativeDecoder(target).generate(prompt, 25, stop=[]).token_ids
+    assert result.stats.num_drafted > 0 and set(result.stats.drafted_per_round) - {0}
+
+
 @pytest.mark.parametrize(("correction", "block_passes"), [(False, 1), (True, 2)])
 def test_one_block_pass_per_round_plus_one_for_correction(target, correction, block_passes):
     head = parallel_head(target, block_size=4)
@@ -247,6 +281,31 @@ def test_checkpoint_round_trip_and_refusals(target, tmp_path):
         load_parallel_head(eagle, target)
 
 
+def test_anchor_loss_is_eagles_objective_on_each_blocks_anchor(target):
+    """The block loss plus anchor_weight x (CE + feature_weight x SmoothL1) of norm(h_t) against f_{t+1}."""
+    head = parallel_head(target, block_size=3)
+    rows = target.get_output_embeddings().weight[: VOCAB // 2]  # a reduced draft vocabulary
+    tokens = torch.arange(10, 40)
+    with torch.no_grad():
+        features = target.model(tokens[None]).last_hidden_state[0]  # [30, hidden]
+    losses, metrics = {}, {}
+    for weight in (0.0, 2.0):
+        settings = ParallelTrainSettings(block_size=3, cuts_per_sequence=6, anchor_weight=weight)
+        objective = BlockObjective(head, target.get_input_embeddings(), rows, settings)
+        losses[weight], metrics[weight] = objective(tokens, features, None)  # evenly spaced cuts, no known slots
+    cuts = torch.linspace(0, len(tokens) - 2 - 3, 6).round().long().unique()
+    with torch.no_grad():
+        _, outputs = head.encode_context(features[None, :-1], target.get_input_embeddings()(tokens[None, 1:]))
+        anchor = head.norm(outputs[0, cuts])
+        expected_ce = -(torch.softmax(features[cuts + 1] @ rows.T, -1) * torch.log_softmax(anchor @ rows.T, -1)).sum(-1)
+        expected = expected_ce + 0.1 * torch.nn.functional.smooth_l1_loss(anchor, features[cuts + 1], reduction="none").mean(-1)
+        expected_agree = ((anchor @ rows.T).argmax(-1) == (features[cuts + 1] @ rows.T).argmax(-1)).float().sum()
+    assert float(losses[2.0] - losses[0.0]) == pytest.approx(2.0 * float(expected.mean()), rel=1e-4)
+    assert metrics[0.0]["anchor_agree"] == metrics[2.0]["anchor_agree"] == float(expected_agree) and metrics[2.0]["anchors"] == len(cuts)
+    with pytest.raises(ValueError, match="anchor_weight"):
+        ParallelTrainSettings(anchor_weight=-1.0)
+
+
 def test_training_lowers_the_loss_resumes_and_drafts(target, tmp_path):
     loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
     extract_features(loaded, documents(40), tmp_path / "features", ExtractSettings(max_tokens=1600), progress=False)
@@ -260,8 +319,10 @@ def test_training_lowers_the_loss_resumes_and_drafts(target, tmp_path):
     before, after = result["validation_before"], result["validation"]
     assert after["kl"] < 0.7 * before["kl"]  # KL(p_target || q_draft): the loss above its floor
     assert sum(after["top1_by_slot"]) > sum(before["top1_by_slot"]) and len(after["top1_by_slot"]) == 3
+    assert 0.0 <= after["top1_anchor"] <= 1.0
     head, vocab = load_parallel_head(out, target)
     assert vocab.tolist() == list(range(0, VOCAB, 2))  # the EAGLE head's draft vocabulary
+    assert head.config.first_from_anchor  # trained with the anchor loss: drafts its first token from the anchor
     again = train_parallel_head(target, tmp_path / "features", out, settings, eagle_head=eagle_path, progress=False)
     assert again["steps"] == result["steps"] and again["validation"]["loss"] == pytest.approx(after["loss"])  # finished: resumed, not redone
     with pytest.raises(ValueError, match="other settings"):

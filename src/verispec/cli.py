@@ -37,7 +37,8 @@ def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
     sub.add_argument("--target-kernels", choices=["packed", "dense"], default="packed", help="packed (default): oneDNN-packed weights for verification passes of 4+ tokens, which cost ~2x a plain step with the dense kernels on CPU (uses a second copy of the target's weights); dense: PyTorch's default only")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
-    sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
+    sub.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft model: draft over the first N token ids plus the special ones only (byte-level BPE numbers tokens by merge order, roughly by frequency), so a draft step multiplies by N LM-head rows instead of all; 0 = the full vocabulary (default). Exact either way")
+    sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE or parallel head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
 
 
 def _check_decoding_options(args: argparse.Namespace, max_new_tokens: int):  # noqa: ANN202 - SamplingParams
@@ -56,6 +57,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.draft_confidence is not None and not 0.0 <= args.draft_confidence < 1.0:
         raise ValueError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
     if hasattr(args, "local_window"):
         from verispec.far_memory_cli import far_memory_from_args
 
@@ -127,6 +130,7 @@ def _build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--cache-dir", type=Path, default=None)
     costs.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="also time this EAGLE head's steps, over its draft vocabulary and the full one (default: the head `verispec eagle build` made, if any)")
     costs.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="also time this parallel head's drafting per proposed token next to the EAGLE head's (default: the head `verispec parallel train` made, if any)")
+    costs.add_argument("--draft-vocab", type=int, default=32768, metavar="N", help="also time the int8 draft over its first N token ids (+ special ones), as --draft-vocab N drafts; 0 = skip (default 32768)")
     costs.set_defaults(handler=_costs)
     return parser
 
@@ -267,7 +271,7 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
         drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args))
     else:
-        drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence) if draft is not None else None
+        drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None) if draft is not None else None
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return target, drafter
 
@@ -403,6 +407,8 @@ def _costs(args: argparse.Namespace) -> int:
     counts = _int_list(args.tokens, "--tokens")
     if not counts or min(counts) < 1 or args.context < 1 or args.repeats < 1:
         raise ValueError("--tokens counts, --context and --repeats must be >= 1")
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = skip), got {args.draft_vocab}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     # An explicit --eagle-head must exist; the default head is timed only if `eagle build` made one.
@@ -435,6 +441,11 @@ def _costs(args: argparse.Namespace) -> int:
         draft = load_model(args.draft, cache_dir=args.cache_dir)
         rows["draft float32"] = forward_costs(draft.model, args.context, counts, args.repeats)
         rows["draft int8"] = forward_costs(quantize_int8(draft.model), args.context, counts, args.repeats)
+        if args.draft_vocab:
+            from verispec.drafters import DraftModel
+
+            reduced = DraftModel(draft, draft_vocab=args.draft_vocab)
+            rows[f"draft int8, {len(reduced.vocab_ids)} vocab"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head)
     print(f"median ms per forward pass over N new tokens after a {args.context}-token cache ({torch.get_num_threads()} threads)")
     print(format_costs(rows))
     return 0
@@ -521,9 +532,9 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("--multi-turn needs a target with a chat template (to place earlier answers in the conversation)")
     if "long" in per_set:  # its prompts are cut to token lengths: they need the tokenizer
         prompts, per_set = _bench_prompts(args, preset, target.tokenizer)
-    eagle_quantize = args.draft_quantize == "int8"
+    head_quantize = args.draft_quantize == "int8"
     far_memory = far_memory_from_args(args, "fold")
-    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, eagle_quantize, far_memory, parallel_head) for name in names}
+    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, head_quantize, far_memory, parallel_head, args.draft_vocab or None) for name in names}
     answer_method = build_method("plain", target, None, args.gamma) if args.multi_turn and "plain" not in methods else None
     settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup, chat=not args.raw)
 

@@ -37,6 +37,7 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
     train.add_argument("--intermediate-size", type=positive_int, default=defaults.intermediate_size, help=f"the head's MLP width (default {defaults.intermediate_size}; must be the EAGLE head's with --init-from-eagle)")
     train.add_argument("--known-fraction", type=float, default=defaults.known_fraction, help=f"probability a block slot is given as its true token (default {defaults.known_fraction})")
     train.add_argument("--feature-weight", type=float, default=defaults.feature_weight, help=f"weight of the SmoothL1 term against the target's features (default {defaults.feature_weight})")
+    train.add_argument("--anchor-weight", type=float, default=defaults.anchor_weight, help=f"weight of EAGLE's next-feature loss on each block's anchor (the last context row), which keeps the first draft at EAGLE's accuracy; 0 = off (default {defaults.anchor_weight})")
     train.add_argument("--checkpoint-every", type=positive_int, default=defaults.checkpoint_every, help=f"steps between checkpoints (default {defaults.checkpoint_every})")
     train.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data order (default 0)")
     train.set_defaults(handler=_train)
@@ -48,7 +49,7 @@ def _settings(args: argparse.Namespace):  # noqa: ANN202
     return ParallelTrainSettings(
         epochs=args.epochs, lr=args.lr, sequences_per_step=args.sequences_per_step, cuts_per_sequence=args.cuts_per_sequence,
         block_size=args.block_size, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
-        known_fraction=args.known_fraction, feature_weight=args.feature_weight, init_from_eagle=args.init_from_eagle,
+        known_fraction=args.known_fraction, feature_weight=args.feature_weight, anchor_weight=args.anchor_weight, init_from_eagle=args.init_from_eagle,
         checkpoint_every=args.checkpoint_every, seed=args.seed,
     )  # fmt: skip
 
@@ -99,7 +100,8 @@ def parallel_head_path(args: argparse.Namespace) -> Path:
 def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path):  # noqa: ANN001, ANN201 - a LoadedModel -> ParallelDrafter
     from verispec.drafters.parallel import ParallelDrafter
 
-    return ParallelDrafter(target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction)
+    quantize = getattr(args, "draft_quantize", "none") == "int8"
+    return ParallelDrafter(target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize)
 
 
 def print_proposal_costs(args: argparse.Namespace, target, eagle_head: Path | None) -> None:  # noqa: ANN001 - a LoadedModel
@@ -115,13 +117,14 @@ def print_proposal_costs(args: argparse.Namespace, target, eagle_head: Path | No
         if args.parallel_head is not None:
             raise
         return
-    uncorrected = ParallelDrafter(target, head_path, correction=False)
-    drafts = uncorrected.block_size
-    costs = {"parallel": proposal_cost(uncorrected, args.context, drafts, args.repeats)}
-    costs["parallel-corrected"] = proposal_cost(ParallelDrafter(target, head_path), args.context, drafts, args.repeats)
-    if eagle_head is not None:
-        costs["eagle"] = proposal_cost(EagleDrafter(target, eagle_head), args.context, drafts, args.repeats)
+    drafts = ParallelDrafter(target, head_path, correction=False).block_size
     print(f"drafting cost per proposed token, rounds of {drafts} drafts after a {args.context}-token context:")
-    for name, seconds in costs.items():
-        ratio = f" ({seconds / costs['eagle']:.2f}x eagle)" if "eagle" in costs else ""
-        print(f"  {name:<20}{seconds * 1000:7.2f} ms{ratio}")
+    for quantize in (False, True):  # the bench drafts in int8 (--draft-quantize int8, the default)
+        precision = "int8" if quantize else "float32"
+        costs = {"parallel": proposal_cost(ParallelDrafter(target, head_path, correction=False, quantize=quantize), args.context, drafts, args.repeats)}
+        costs["parallel-corrected"] = proposal_cost(ParallelDrafter(target, head_path, quantize=quantize), args.context, drafts, args.repeats)
+        if eagle_head is not None:
+            costs["eagle"] = proposal_cost(EagleDrafter(target, eagle_head, quantize=quantize), args.context, drafts, args.repeats)
+        for name, seconds in costs.items():
+            ratio = f" ({seconds / costs['eagle']:.2f}x eagle)" if "eagle" in costs else ""
+            print(f"  {name + ', ' + precision:<28}{seconds * 1000:7.2f} ms{ratio}")

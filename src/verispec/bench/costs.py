@@ -20,14 +20,15 @@ class ForwardCost:
     median_s: float
 
 
-def forward_costs(model, context_tokens: int, new_token_counts: list[int], repeats: int = 5) -> list[ForwardCost]:  # noqa: ANN001
+def forward_costs(model, context_tokens: int, new_token_counts: list[int], repeats: int = 5, lm_head=None) -> list[ForwardCost]:  # noqa: ANN001
     """Median seconds of one pass over ``n`` new tokens after a ``context_tokens`` cache, per n.
 
     The cache is cropped back after every pass, so each one sees the same context length.
+    ``lm_head``: an output layer replacing the model's (a drafter's reduced-vocabulary rows).
     """
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
         raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
-    lm = CachedLM(model)
+    lm = CachedLM(model, lm_head=lm_head)
     vocab = lm.vocab_size
     # Arbitrary but fixed token ids: cost does not depend on which tokens they are.
     lm.extend([(7 * i + 11) % vocab for i in range(context_tokens)], num_logits=0)

@@ -162,19 +162,21 @@ def build_method(
     gamma: int,
     draft_confidence: float | None = None,
     eagle_head: Any | None = None,
-    eagle_quantize: bool = False,
+    head_quantize: bool = False,
     far_memory: Any | None = None,
     parallel_head: Any | None = None,
+    draft_vocab: int | None = None,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
     ``draft_confidence``: our draft-model methods stop a round's drafting below this probability.
     ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods;
-    ``eagle_quantize``: run it with int8 linears.
+    ``head_quantize``: run the EAGLE and parallel heads with int8 linears.
     ``far_memory``: the ``FarMemoryConfig`` whose window / temperature / weight eagle-local and
     eagle-fold use (each sets its own mode; default: the config's defaults); eagle and
     eagle-adaptive always attend as trained.
     ``parallel_head``: the parallel head (checkpoint path or ``ParallelHead``) for the parallel methods.
+    ``draft_vocab``: our draft-model methods draft over the first N token ids (+ special ones) only.
     """
     spec = METHODS[name]
     if spec.needs_draft and draft is None:
@@ -188,7 +190,7 @@ def build_method(
         return OursMethod(name, SpeculativeDecoder(target))
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
     if name.startswith("draft-model"):
-        drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence)
+        drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab)
     elif name.startswith("eagle"):
         from verispec.drafters.eagle import EagleDrafter
 
@@ -198,15 +200,15 @@ def build_method(
 
         mode = {"eagle-local": "local", "eagle-fold": "fold"}.get(name.removesuffix("-adaptive"))
         settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
-        drafter = EagleDrafter(target, eagle_head, quantize=eagle_quantize, far_memory=settings)
+        drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings)
     elif name.startswith("parallel"):
         from verispec.drafters.parallel import ParallelDrafter
 
         if parallel_head is None:
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
-        drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", name=name)
+        drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, name=name)
     elif name.startswith("ngram+"):
-        drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence))
+        drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab))
     else:
         drafter = NgramDrafter()
     return OursMethod(name, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))

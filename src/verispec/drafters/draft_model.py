@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from verispec.drafters.base import DraftContext, Proposal
+from verispec.drafters.draft_vocab import full_vocab_probs, is_quantized, leading_token_ids, reduced_lm_head
 from verispec.engine.cached_lm import CachedLM
 from verispec.modelref import unwrap_model
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
@@ -19,26 +20,60 @@ class DraftModel:
     than this probability. Long drafts then cost steps only where the draft is sure, which is
     where they get accepted. The stopping rule looks only at the draft's randomness, so the
     verifier still sees a valid draft and the output stays exact.
+
+    ``draft_vocab``: restrict the draft distribution to these token ids (a tensor), or to the
+    first N ids plus the special ones (an int, see :func:`leading_token_ids`): each draft step
+    then multiplies by those LM-head rows only, the costliest matrix of a small model. Exact
+    either way: verification receives the probabilities actually sampled from, zero outside.
     """
 
     needs_target_features = False
 
-    def __init__(self, model: Any, name: str = "draft-model", confidence_threshold: float | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        name: str = "draft-model",
+        confidence_threshold: float | None = None,
+        draft_vocab: int | torch.Tensor | None = None,  # [draft_vocab] int64 ids, or a count
+    ) -> None:
         self.model, self.tokenizer = unwrap_model(model, argument="DraftModel(model)")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1) or None, got {confidence_threshold!r}")
         self.name = name
         self.confidence_threshold = confidence_threshold
+        lm_head = self.model.get_output_embeddings()
+        self.vocab_size = int(lm_head.out_features)
+        if isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool):
+            draft_vocab = leading_token_ids(self.vocab_size, draft_vocab, self._special_ids())
+        elif draft_vocab is not None and not isinstance(draft_vocab, torch.Tensor):
+            raise ValueError(f"draft_vocab must be a token count, a tensor of token ids or None, got {type(draft_vocab).__name__}")
+        # None: the model's own head; else one copy of the chosen rows, int8 if the model's head is.
+        self.vocab_ids, self.lm_head = reduced_lm_head(lm_head, draft_vocab, quantize=is_quantized(lm_head))
+
+    def _special_ids(self) -> list[int]:
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return ids + list(getattr(self.tokenizer, "all_special_ids", None) or [])
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "DraftModelSession":
-        return DraftModelSession(CachedLM(self.model), sampling, self.confidence_threshold)
+        lm = CachedLM(self.model, lm_head=self.lm_head if self.vocab_ids is not None else None)
+        return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size)
 
 
 class DraftModelSession:
-    def __init__(self, lm: CachedLM, sampling: SamplingParams, confidence_threshold: float | None) -> None:
+    def __init__(
+        self,
+        lm: CachedLM,
+        sampling: SamplingParams,
+        confidence_threshold: float | None,
+        vocab_ids: torch.Tensor | None = None,  # [draft_vocab] int64: what logit index i means; None = i itself
+        vocab_size: int | None = None,  # the full vocabulary q_draft is reported over
+    ) -> None:
         self.lm = lm
         self.sampling = sampling
         self.confidence_threshold = confidence_threshold
+        self.vocab_ids = vocab_ids
+        self.vocab_size = vocab_size
 
     def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
         # Rollback and catch-up in one step: drop rejected drafts, feed what the target committed.
@@ -46,15 +81,16 @@ class DraftModelSession:
         tokens: list[int] = []
         step_probs: list[torch.Tensor] = []
         while len(tokens) < max_tokens:
-            logits = self.lm.extend(pending, num_logits=1).logits[0]  # [vocab]
+            logits = self.lm.extend(pending, num_logits=1).logits[0]  # [draft_vocab]
             if self.sampling.is_greedy:
-                token = int(logits.argmax())
-                confident = self._confident(lambda: torch.softmax(logits, -1)[token])
+                index = int(logits.argmax())
+                confident = self._confident(lambda: torch.softmax(logits, -1)[index])
             else:
-                probs = logits_to_probs(logits, self.sampling)  # [vocab]
-                token = int(sample_from(probs, generator))
-                step_probs.append(probs)
-                confident = self._confident(lambda: probs[token])
+                probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
+                index = int(sample_from(probs, generator))
+                step_probs.append(full_vocab_probs(probs, self.vocab_ids, self.vocab_size))
+                confident = self._confident(lambda: probs[index])
+            token = index if self.vocab_ids is None else int(self.vocab_ids[index])
             tokens.append(token)
             pending = [token]
             if not confident:

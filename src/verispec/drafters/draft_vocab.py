@@ -1,10 +1,12 @@
-"""What drafters that read the target's features share: their head's loading and their LM head.
+"""Reduced draft vocabularies, and what the feature-reading drafters share (loading their head).
 
-A drafter's LM head over a reduced draft vocabulary is the rows of the target's LM head it needs.
+A drafter's LM head over a reduced draft vocabulary is the rows of an LM head it needs: the
+target's for the EAGLE and parallel heads, the draft model's own for a draft model.
 
 Drafting multiplies by the LM head once per drafted position; restricting it to the draft
-vocabulary (the corpus' most frequent tokens) makes that a fraction of the cost. Exact either
-way: a drafter's distribution is zero outside the subset, and verification knows it.
+vocabulary (the corpus' most frequent tokens, or a tokenizer's first ids) makes that a fraction
+of the cost. Exact either way: a drafter's distribution is zero outside the subset, and
+verification receives it (:func:`full_vocab_probs`).
 """
 
 from __future__ import annotations
@@ -54,10 +56,48 @@ def reduced_lm_head(
     """
     if draft_vocab is None:
         return None, lm_head
-    vocab = lm_head.weight.shape[0]
+    weight = _float_weight(lm_head)  # [vocab, hidden]
+    vocab = weight.shape[0]
     if draft_vocab.ndim != 1 or draft_vocab.numel() == 0 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= vocab:
         raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids in [0, {vocab})")
     vocab_ids = draft_vocab.to(torch.long)
-    rows = nn.Linear(lm_head.weight.shape[1], len(vocab_ids), bias=False)
-    rows.weight = nn.Parameter(lm_head.weight.detach()[vocab_ids].float().contiguous(), requires_grad=False)
+    rows = nn.Linear(weight.shape[1], len(vocab_ids), bias=False)
+    rows.weight = nn.Parameter(weight[vocab_ids].contiguous(), requires_grad=False)
     return vocab_ids, quantize_int8(nn.Sequential(rows))[0] if quantize else rows
+
+
+def full_vocab_probs(
+    probs: torch.Tensor,  # [draft_vocab]: a distribution over the draft vocabulary
+    vocab_ids: torch.Tensor | None,  # [draft_vocab] int64: the token id of each entry; None = the full vocabulary already
+    vocab_size: int,
+) -> torch.Tensor:
+    """q_draft over the full vocabulary # [vocab]: ``probs`` scattered to their ids, zero elsewhere."""
+    if vocab_ids is None:
+        return probs
+    return probs.new_zeros(vocab_size).index_copy_(0, vocab_ids, probs)
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """An int8 dynamic-quantised linear (what :func:`quantize_int8` swaps in)."""
+    return callable(getattr(module, "weight", None))
+
+
+def _float_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's weight # [out, in] as float32, dequantised if the layer is int8."""
+    if is_quantized(linear):
+        return linear.weight().dequantize().float()
+    return linear.weight.detach().float()
+
+
+def leading_token_ids(vocab_size: int, count: int, always: list[int]) -> torch.Tensor:
+    """Token ids 0..count-1 plus ``always`` (end-of-sequence and special ids) # [<= count + len(always)].
+
+    Byte-level BPE vocabularies number tokens in merge order, and the first merges are the most
+    frequent pieces of the tokenizer's training text: the first ids are a frequency list that needs
+    no corpus. Special tokens sit at the end of the vocabulary, so they are added explicitly (a
+    draft that can never propose end-of-sequence stops too late).
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"draft_vocab must be a positive number of tokens, got {count!r}")
+    ids = set(range(min(count, vocab_size))) | {token for token in always if 0 <= token < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)

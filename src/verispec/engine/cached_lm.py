@@ -30,13 +30,14 @@ def cache_argument_name(body_class: type) -> str:
 class CachedLM:
     """A Hugging Face causal LM with the KV cache of one growing, croppable sequence."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, lm_head: torch.nn.Module | None = None) -> None:
+        """``lm_head``: an output layer to use instead of the model's own (a drafter's reduced-vocabulary rows)."""
         self.model = model
         # The body and the LM head separately: the head (vocab x hidden) is the costliest matrix
         # of a small model, so it runs only on the rows whose logits are needed (none in prefill),
         # and the body hands over the top-layer features that feature-level drafters (EAGLE) reuse.
         self.body = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
+        self.lm_head = lm_head if lm_head is not None else model.get_output_embeddings()
         config = model.config.get_text_config(decoder=True)
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._logit_scale = getattr(config, "logit_scale", None)

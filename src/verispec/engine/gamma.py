@@ -1,12 +1,16 @@
 """How many tokens to draft next round: fixed, or chosen from measured costs and acceptance.
 
-With per-draft acceptance probability alpha, a round with gamma drafts emits on average
+A round with gamma drafts emits its accepted prefix plus one token, on average
 
-    E[tokens](gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)        (Leviathan et al., eq. 1)
+    E[tokens](gamma) = 1 + sum_{k=1..gamma} prod_{j=1..k} h_j
 
-and costs gamma * draft_step + verify(gamma + 1), where verify(r) is the target's time for a
-pass over r new tokens. On CPUs verify(r) is far from flat (small-row matrix products switch
-kernels), so it is measured per row count rather than assumed. The controller picks the gamma
+where h_j = P(draft j accepted | drafts 1..j-1 accepted) is estimated per draft position. With one
+i.i.d. acceptance rate alpha this is Leviathan et al.'s (1 - alpha^(gamma+1)) / (1 - alpha), but
+real acceptance is bursty: once a few drafts of a code line are accepted the rest usually are
+(measured here: h_1 0.61, then 0.74-0.86), so one rejection at draft 2 must not make the controller
+expect every later draft to fail. A round costs gamma * draft_step + verify(gamma + 1), where
+verify(r) is the target's time for a pass over r new tokens. On CPUs verify(r) is far from flat
+(small-row matrix products switch kernels), so it is measured per row count rather than assumed. The controller picks the gamma
 that maximises E[tokens] / cost; gamma = 0 is plain decoding, left now and then to re-measure
 acceptance, with the probe interval doubling while speculation keeps not paying.
 """
@@ -18,20 +22,55 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StepCosts:
-    """Measured seconds of a draft step and of a target pass per row count (moving averages).
+    """Measured seconds of drafting and of a target pass per row count (moving averages).
+
+    Drafting gamma tokens costs ``draft_base_s + gamma * draft_step_s``, fitted by a moving
+    least-squares line through the rounds' (drafts, seconds): a round's first draft pass also
+    feeds the tokens the last round committed (and a block drafter pays one pass for any gamma),
+    so short rounds cost more per draft than long ones. Measured here (int8 0.5B draft, HumanEval):
+    77 ms a draft in rounds of mostly 2 drafts against 58 ms in rounds of 6; pricing every draft
+    alike made short rounds look cheap and kept the controller below fixed gamma's speed.
 
     One table can serve many controllers (a server's requests share one target and one drafter):
     costs are properties of the machine and models, acceptance is a property of each text.
     """
 
     smoothing: float = 0.15  # weight of the newest observation
-    draft_step_s: float | None = None
+    draft_step_s: float | None = None  # seconds per drafted token (the line's slope)
+    draft_base_s: float = 0.0  # seconds per drafting round whatever its length (the intercept)
     verify_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds
+    # Moving means of (drafts, seconds, drafts^2, drafts * seconds) over timed drafting rounds.
+    _draft_moments: list[float] | None = field(default=None, init=False, repr=False)
 
-    def observe(self, rows: int, verify_s: float, draft_s: float, draft_passes: int) -> None:
+    def observe(self, rows: int, verify_s: float, draft_s: float, drafted: int) -> None:
+        """One round: a target pass over ``rows`` tokens; ``drafted`` tokens drafted in ``draft_s``
+        (``drafted`` 0: no drafting time to learn from, e.g. a round that also paid the drafter's prefill)."""
         self.verify_s[rows] = _mix(self.verify_s.get(rows), verify_s, self.smoothing)
-        if draft_passes > 0:
-            self.draft_step_s = _mix(self.draft_step_s, draft_s / draft_passes, self.smoothing)
+        if drafted > 0:
+            self._fit_draft(drafted, draft_s)
+
+    def draft_cost(self, gamma: int) -> float:
+        if gamma == 0 or self.draft_step_s is None:
+            return 0.0
+        return self.draft_base_s + gamma * self.draft_step_s
+
+    def _fit_draft(self, drafted: int, seconds: float) -> None:
+        if self.draft_step_s is not None:
+            seconds = min(seconds, 2 * self.draft_cost(drafted))  # one outlier counts at most 2x (see _mix)
+        observation = (float(drafted), seconds, float(drafted * drafted), drafted * seconds)
+        if self._draft_moments is None:
+            self._draft_moments = list(observation)
+        else:
+            for index, value in enumerate(observation):
+                self._draft_moments[index] += self.smoothing * (value - self._draft_moments[index])
+        mean_drafts, mean_seconds, mean_squares, mean_products = self._draft_moments
+        per_draft = mean_seconds / mean_drafts
+        spread = mean_squares - mean_drafts**2  # variance of the round lengths seen lately
+        # Too little spread (always the same gamma) cannot separate slope from intercept: charge
+        # per draft, which is exact at that gamma. The slope stays in [0, per_draft]: base >= 0.
+        slope = (mean_products - mean_drafts * mean_seconds) / spread if spread > 0.25 else per_draft
+        self.draft_step_s = min(max(slope, 0.0), per_draft)
+        self.draft_base_s = mean_seconds - self.draft_step_s * mean_drafts
 
     def verify_cost(self, rows: int) -> float:
         """Measured cost of ``rows``; unmeasured counts borrow the nearest smaller measured one.
@@ -54,16 +93,28 @@ class StepCosts:
 class AdaptiveGamma:
     max_gamma: int
     alpha_prior: float = 0.8  # optimistic: the first rounds must draft to learn anything
-    # Weight of each newest acceptance observation: 0.25 forgets a wrong prior within ~6 rejected
-    # drafts (0.15 took ~10, which on a short answer to adversarial text cost ~20% against plain).
+    # Weight of each newest observation of a draft position: 0.25 forgets a wrong prior within ~6
+    # rejected first drafts (0.15 took ~10, which on a short answer to adversarial text cost ~20%).
     smoothing: float = 0.25
+    # A position no round reached drifts this much a round toward the estimate of the position
+    # before it: untested positions are assumed no worse than the deepest tested one (acceptance
+    # rarely falls with depth once a stretch is predictable), so gamma can grow again, and a fixed
+    # prior cannot hold it short on text that is more predictable than the prior.
+    drift: float = 0.1
     # Drafting must promise this much more than plain decoding: the cost model leaves out per-round
     # overheads it does not time, so a break-even forecast is a small loss in practice.
     hurdle: float = 1.05
+    # Slow start: a sequence's first round drafts at most this many tokens, and the limit doubles
+    # each time a round's drafts are all accepted. Until a text has shown it can be drafted, a
+    # rejected round costs little (here 2 rejected drafts cost ~0.4 of a plain step, 6 cost ~1.5):
+    # on a short answer to adversarial text the optimistic prior otherwise costs most of the budget.
+    first_max_drafts: int = 2
     first_probe_interval: int = 4  # plain rounds before drafting again, doubling while it keeps losing
     max_probe_interval: int = 64
     costs: StepCosts = field(default_factory=StepCosts)  # pass a shared table to pool cost measurements
-    alpha: float = field(init=False)
+    # accept_rate[k-1] = h_k: P(draft k accepted | drafts 1..k-1 accepted), a moving average per position.
+    accept_rate: list[float] = field(init=False)
+    _max_drafts: int = field(init=False, default=0)  # this sequence's slow-start limit
     _plain_rounds: int = field(init=False, default=0)
     _probe_interval: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=False)
@@ -72,28 +123,39 @@ class AdaptiveGamma:
     def __post_init__(self) -> None:
         if self.max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {self.max_gamma}")
+        if self.first_max_drafts < 1:
+            raise ValueError(f"first_max_drafts must be >= 1, got {self.first_max_drafts}")
         self.start_sequence()
 
     def start_sequence(self) -> None:
         """A new text: acceptance starts from the prior again; measured costs carry over."""
-        self.alpha = self.alpha_prior
+        self.accept_rate = [self.alpha_prior] * self.max_gamma
+        self._max_drafts = self.first_max_drafts
         self._plain_rounds = 0
         self._probe_interval = self.first_probe_interval
         self._probing = False
         self._drafted = False
 
+    @property
+    def alpha(self) -> float:
+        """Estimated acceptance of the first draft of a round (h_1)."""
+        return self.accept_rate[0]
+
     def expected_tokens(self, gamma: int) -> float:
-        alpha = min(self.alpha, 0.999)
-        return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+        expected, reach = 1.0, 1.0
+        for rate in self.accept_rate[:gamma]:
+            reach *= rate  # P(drafts 1..k all accepted)
+            expected += reach
+        return expected
 
     def expected_cost(self, gamma: int) -> float:
-        return gamma * (self.costs.draft_step_s or 0.0) + self.costs.verify_cost(gamma + 1)
+        return self.costs.draft_cost(gamma) + self.costs.verify_cost(gamma + 1)
 
     def choose(self) -> int:
         """The number of drafts for the next round (0 = a plain decoding step)."""
         if 1 not in self.costs.verify_s:
             return 0  # measure the baseline once (per cost table): what a plain step costs here
-        rate = {g: self.expected_tokens(g) / self.expected_cost(g) for g in range(self.max_gamma + 1)}
+        rate = {g: self.expected_tokens(g) / self.expected_cost(g) for g in range(min(self.max_gamma, self._max_drafts) + 1)}
         best = max(rate, key=rate.get)
         if best > 0 and rate[best] >= self.hurdle * rate[0]:
             self._plain_rounds = 0
@@ -109,22 +171,29 @@ class AdaptiveGamma:
 
     def observe(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float, draft_passes: int) -> None:
         """Fold one round's outcome and timings into the estimates."""
-        # A sequence's first drafting round also pays the drafter's prompt prefill: it times no draft step.
-        timed_passes = draft_passes if self._drafted else 0
+        # A sequence's first drafting round also pays the drafter's prompt prefill: its time says
+        # nothing about drafting's cost.
+        timed_drafts = num_drafted if self._drafted else 0
         self._drafted = self._drafted or draft_passes > 0
-        self.costs.observe(num_drafted + 1, verify_s, draft_s, timed_passes)
-        if num_drafted > 0:
-            # A round is a run of successes ended by one failure unless every draft was accepted.
-            failures = 1 if num_accepted < num_drafted else 0
-            round_alpha = num_accepted / (num_accepted + failures)
-            # A probe after a stretch of plain rounds is the only fresh evidence: it replaces the
-            # stale estimate, so recovered text is noticed at the first successful probe.
-            # Otherwise each draft verified counts as one observation of the moving average.
-            weight = 1.0 if self._probing else 1 - (1 - self.smoothing) ** (num_accepted + failures)
-            self._probing = False
-            self.alpha += weight * (round_alpha - self.alpha)
-            if self.expected_tokens(num_drafted) / self.expected_cost(num_drafted) > 1 / self.costs.verify_cost(1):
-                self._probe_interval = self.first_probe_interval  # speculation pays again
+        self.costs.observe(num_drafted + 1, verify_s, draft_s, timed_drafts)
+        if num_drafted == 0:
+            return
+        # Positions 1..num_accepted were accepted; the next one, if drafted, was rejected; later ones
+        # were not tested this round. A probe after a stretch of plain rounds is the only fresh
+        # evidence about draft 1: it replaces the stale estimate, so recovered text is noticed at once.
+        rejected = num_accepted < num_drafted
+        if not rejected:
+            self._max_drafts = max(self._max_drafts, 2 * num_drafted)
+        for index in range(self.max_gamma):
+            if index < num_accepted + rejected:
+                outcome = 1.0 if index < num_accepted else 0.0
+                weight = 1.0 if self._probing and index == 0 else self.smoothing
+            else:
+                outcome, weight = max(self.alpha_prior, self.accept_rate[index - 1]), self.drift
+            self.accept_rate[index] += weight * (outcome - self.accept_rate[index])
+        self._probing = False
+        if self.expected_tokens(num_drafted) / self.expected_cost(num_drafted) > 1 / self.costs.verify_cost(1):
+            self._probe_interval = self.first_probe_interval  # speculation pays again
 
 
 def _mix(old: float | None, new: float, smoothing: float) -> float:

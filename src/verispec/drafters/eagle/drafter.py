@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
-from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
+from verispec.drafters.draft_vocab import full_vocab_probs, reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead, HeadKVCache
 from verispec.drafters.far_memory import FarMemoryConfig
@@ -100,7 +100,7 @@ class EagleSession:
             else:
                 probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
                 index = int(sample_from(probs, generator))
-                step_probs.append(self._full_vocab(probs))
+                step_probs.append(full_vocab_probs(probs, drafter.vocab_ids, drafter.vocab_size))
             token = index if drafter.vocab_ids is None else int(drafter.vocab_ids[index])
             tokens.append(token)
             if len(tokens) == max_tokens:
@@ -123,12 +123,6 @@ class EagleSession:
         self.num_real += len(fresh)
         self.next_feature = predicted[-1]
         return 1
-
-    def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
-        """q_draft over the target's vocabulary # [vocab] from probs over the draft vocabulary."""
-        if self.drafter.vocab_ids is None:
-            return probs
-        return probs.new_zeros(self.drafter.vocab_size).index_copy_(0, self.drafter.vocab_ids, probs)
 
     def close(self) -> None:
         self.cache = HeadKVCache()

@@ -6,6 +6,7 @@ passes already run), one round is:
 1. catch-up: the head encodes every real feature it has not seen, in one call (cached);
 2. block pass: K mask slots after the context give, per position i, the top-m candidates and
    their log-probabilities ``unary[i, c] = log q_draft_i(cand[i, c])`` (``num_forward_passes`` 1);
+   with ``first_from_anchor`` position 0 is read from the anchor (the catch-up's last output);
 3. correction (optional): ONE batched pass of (K-1)·m blocks, row (i, c) giving slot i as the
    known token cand[i, c]; slot i+1 of that row scores the m candidates at i+1:
 
@@ -21,6 +22,7 @@ output distribution stays exactly the target's.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -32,6 +34,7 @@ from verispec.drafters.eagle.head import HeadKVCache
 from verispec.drafters.parallel.checkpoint import load_parallel_head
 from verispec.drafters.parallel.head import ParallelHead, cached
 from verispec.drafters.parallel.lattice import best_path
+from verispec.models.quantize import quantize_int8
 from verispec.sampling import SamplingParams
 
 
@@ -41,6 +44,8 @@ class ParallelDrafter:
     ``block_size``: drafts per round at most (default and maximum: the head's K); ``candidates``:
     m, kept per position; ``correction``: pick the path by pair fit (False: top-1 per position,
     one head pass). ``draft_vocab``: token ids the LM head is restricted to (a checkpoint brings its own).
+    ``quantize=True``: int8 dynamic linears for a copy of the head and for its LM-head rows, as the
+    EAGLE drafter offers (cheaper block passes; the drafts may differ, the output stays exact).
     """
 
     needs_target_features = True
@@ -54,6 +59,7 @@ class ParallelDrafter:
         block_size: int | None = None,
         candidates: int = 3,
         correction: bool = True,
+        quantize: bool = False,
         name: str = "parallel",
     ) -> None:
         target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, ParallelHead, load_parallel_head, "ParallelDrafter")
@@ -63,11 +69,18 @@ class ParallelDrafter:
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
         self.head = head.eval().requires_grad_(False)
+        if quantize:
+            self.head = quantize_int8(copy.deepcopy(self.head))
         self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
         self.embed = target_model.get_input_embeddings()
-        self.vocab_ids, self.lm_head = reduced_lm_head(target_model.get_output_embeddings(), draft_vocab)
-        if candidates > self.lm_head.weight.shape[0]:
-            raise ValueError(f"candidates ({candidates}) exceeds the draft vocabulary ({self.lm_head.weight.shape[0]} tokens)")
+        target_lm_head = target_model.get_output_embeddings()
+        self.vocab_ids, self.lm_head = reduced_lm_head(target_lm_head, draft_vocab, quantize=quantize)
+        # The pair fit reads only the m candidates' rows: taken (float32) from the target's own LM
+        # head, shared, whatever precision the drafting head runs in.
+        self.lm_head_rows = target_lm_head.weight  # [vocab, hidden]
+        draft_vocab_size = int(target_lm_head.weight.shape[0] if self.vocab_ids is None else len(self.vocab_ids))
+        if candidates > draft_vocab_size:
+            raise ValueError(f"candidates ({candidates}) exceeds the draft vocabulary ({draft_vocab_size} tokens)")
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "ParallelSession":
         return ParallelSession(self)
@@ -90,6 +103,8 @@ class ParallelSession:
         encoded = [cached(cache) for cache in self.caches]
         start = torch.tensor([self.num_real])
         hidden = drafter.head.draft_block(encoded, self.anchor, start)[0, :count]  # [count, hidden]
+        if drafter.head.config.first_from_anchor:  # the first draft as EAGLE makes it (see ParallelConfig)
+            hidden = torch.cat((drafter.head.norm(self.anchor), hidden[1:]))
         log_probs = drafter.lm_head(hidden).float().log_softmax(-1)  # [count, draft_vocab]
         unary, index = log_probs.topk(drafter.candidates, dim=-1)  # [count, m]: candidates, best first
         passes += 1
@@ -119,7 +134,8 @@ class ParallelSession:
         known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
         hidden = drafter.head.draft_block(encoded, self.anchor, start.expand(rows), known_embeds, known)  # [rows, K, hidden]
         following = hidden[torch.arange(rows), position + 1].view(count - 1, width, hidden_size)  # ĥ_{i+1}
-        candidate_rows = drafter.lm_head.weight[index[1:]].float()  # [count-1, m, hidden]: W rows of the candidates at i+1
+        following_ids = index[1:] if drafter.vocab_ids is None else drafter.vocab_ids[index[1:]]  # [count-1, m] token ids
+        candidate_rows = drafter.lm_head_rows[following_ids].float()  # [count-1, m, hidden]: W rows of the candidates at i+1
         return torch.einsum("ich,ijh->icj", following, candidate_rows).log_softmax(-1)
 
     def _catch_up(self, context: DraftContext) -> int:

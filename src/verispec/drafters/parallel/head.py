@@ -41,10 +41,16 @@ KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys, values # [batch or 1, kv
 
 @dataclass(frozen=True)
 class ParallelConfig(EagleConfig):
-    """EAGLE's layer shape plus the block: ``block_size`` K drafted positions, ``num_layers`` 1-2."""
+    """EAGLE's layer shape plus the block: ``block_size`` K drafted positions, ``num_layers`` 1-2.
+
+    ``first_from_anchor``: the first draft is read from the anchor (the last context row's output,
+    normed: EAGLE's own next-feature prediction) instead of block slot 0. Training with an anchor
+    loss sets it: that readout keeps the EAGLE head's first-token accuracy, which slot 0 loses.
+    """
 
     block_size: int = 4
     num_layers: int = 1
+    first_from_anchor: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,10 +60,10 @@ class ParallelConfig(EagleConfig):
             raise ValueError(f"ParallelConfig.num_layers must be 1 or 2, got {self.num_layers!r}")
 
     @classmethod
-    def for_target(cls, target_config, intermediate_size: int | None = None, block_size: int = 4, num_layers: int = 1) -> "ParallelConfig":  # noqa: ANN001
+    def for_target(cls, target_config, intermediate_size: int | None = None, block_size: int = 4, num_layers: int = 1, first_from_anchor: bool = False) -> "ParallelConfig":  # noqa: ANN001
         """The head shape that fits a Llama/Qwen2/Mistral-family target config."""
         layer = EagleConfig.for_target(target_config, intermediate_size)
-        return cls(**dataclasses.asdict(layer), block_size=block_size, num_layers=num_layers)
+        return cls(**dataclasses.asdict(layer), block_size=block_size, num_layers=num_layers, first_from_anchor=first_from_anchor)
 
 
 class DecoderLayer(nn.Module):
@@ -189,7 +195,7 @@ class ParallelHead(nn.Module):
         context_visible: torch.Tensor | None = None,  # [batch, P] bool: context positions a row may see (None: all)
     ) -> torch.Tensor:
         """Normed features of the K block slots # [batch, K, hidden]; slot j drafts x_{L+1+j}."""
-        batch, block = block_start.shape[0], self.config.block_size
+        block = self.config.block_size
         hidden = self.mask_embeds + anchor[:, None]  # [batch, K, hidden]
         if known is not None:
             hidden = hidden + self.known(known_embeds) * known[..., None]
