@@ -56,7 +56,7 @@ class DraftModel:
         return ids + list(getattr(self.tokenizer, "all_special_ids", None) or [])
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "DraftModelSession":
-        lm = CachedLM(self.model, lm_head=self.lm_head if self.vocab_ids is not None else None)
+        lm = CachedLM(self.model, lm_head=self.lm_head)  # the model's own head unless a draft vocabulary is set
         return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size)
 
 

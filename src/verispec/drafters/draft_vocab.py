@@ -11,6 +11,7 @@ verification receives it (:func:`full_vocab_probs`).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from typing import Any
@@ -29,8 +30,11 @@ def resolve_head(
     head_type: type,
     load: Callable[[Any, Any], tuple[Any, torch.Tensor | None]],  # (path, target model) -> (head, saved draft vocab)
     owner: str,  # the drafter class, for error messages
+    *,
+    quantize: bool = False,
 ) -> tuple[Any, Any, Any, torch.Tensor | None]:
-    """(target model, tokenizer, head, draft vocabulary): a head loaded if given as a path, checked against the target."""
+    """(target model, tokenizer, head, draft vocabulary): a head loaded if given as a path, checked
+    against the target, frozen in eval mode; with ``quantize`` an int8 copy (the caller's head is untouched)."""
     target_model, tokenizer = unwrap_model(target, argument=f"{owner}(target)")
     if isinstance(head, (str, os.PathLike)):
         head, saved_vocab = load(head, target_model)
@@ -40,6 +44,9 @@ def resolve_head(
     target_hidden = target_model.config.get_text_config(decoder=True).hidden_size
     if head.config.hidden_size != target_hidden:
         raise ValueError(f"head hidden_size {head.config.hidden_size} does not match the target's {target_hidden}")
+    head = head.eval().requires_grad_(False)
+    if quantize:
+        head = quantize_int8(copy.deepcopy(head))
     return target_model, tokenizer, head, draft_vocab
 
 

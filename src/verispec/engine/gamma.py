@@ -8,10 +8,10 @@ where h_j = P(draft j accepted | drafts 1..j-1 accepted) is estimated per draft 
 i.i.d. acceptance rate alpha this is Leviathan et al.'s (1 - alpha^(gamma+1)) / (1 - alpha), but
 real acceptance is bursty: once a few drafts of a code line are accepted the rest usually are
 (measured here: h_1 0.61, then 0.74-0.86), so one rejection at draft 2 must not make the controller
-expect every later draft to fail. A round costs gamma * draft_step + verify(gamma + 1), where
-verify(r) is the target's time for a pass over r new tokens. On CPUs verify(r) is far from flat
-(small-row matrix products switch kernels), so it is measured per row count rather than assumed. The controller picks the gamma
-that maximises E[tokens] / cost; gamma = 0 is plain decoding, left now and then to re-measure
+expect every later draft to fail. A round costs draft(gamma) + verify(gamma + 1): drafting is
+fitted as base + gamma * step (:class:`StepCosts`), and verify(r), the target's time for a pass over
+r new tokens, is measured per row count rather than assumed, because on CPUs it is far from flat
+(small-row matrix products switch kernels). The controller picks the gamma that maximises E[tokens] / cost; gamma = 0 is plain decoding, left now and then to re-measure
 acceptance, with the probe interval doubling while speculation keeps not paying.
 """
 

@@ -16,7 +16,6 @@ attends with far memory (:mod:`verispec.drafters.far_memory`); only the drafts c
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -26,7 +25,6 @@ from verispec.drafters.draft_vocab import full_vocab_probs, reduced_lm_head, res
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead, HeadKVCache
 from verispec.drafters.far_memory import FarMemoryConfig
-from verispec.models.quantize import quantize_int8
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
 
@@ -55,10 +53,7 @@ class EagleDrafter:
         far_memory: FarMemoryConfig | None = None,
         name: str = "eagle",
     ) -> None:
-        target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, EagleHead, load_head, "EagleDrafter")
-        self.head = head.eval().requires_grad_(False)
-        if quantize:
-            self.head = quantize_int8(copy.deepcopy(self.head))
+        target_model, self.tokenizer, self.head, draft_vocab = resolve_head(target, head, draft_vocab, EagleHead, load_head, "EagleDrafter", quantize=quantize)
         if far_memory is not None and not isinstance(far_memory, FarMemoryConfig):
             raise ValueError(f"far_memory must be a FarMemoryConfig or None, got {type(far_memory).__name__}")
         self.far_memory = far_memory

@@ -22,7 +22,6 @@ output distribution stays exactly the target's.
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -34,7 +33,6 @@ from verispec.drafters.eagle.head import HeadKVCache
 from verispec.drafters.parallel.checkpoint import load_parallel_head
 from verispec.drafters.parallel.head import ParallelHead, cached
 from verispec.drafters.parallel.lattice import best_path
-from verispec.models.quantize import quantize_int8
 from verispec.sampling import SamplingParams
 
 
@@ -62,15 +60,13 @@ class ParallelDrafter:
         quantize: bool = False,
         name: str = "parallel",
     ) -> None:
-        target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, ParallelHead, load_parallel_head, "ParallelDrafter")
+        target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, ParallelHead, load_parallel_head, "ParallelDrafter", quantize=quantize)
         block_size = head.config.block_size if block_size is None else block_size
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= head.config.block_size:
             raise ValueError(f"block_size must be an integer in [1, {head.config.block_size}] (the head's K), got {block_size!r}")
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
-        self.head = head.eval().requires_grad_(False)
-        if quantize:
-            self.head = quantize_int8(copy.deepcopy(self.head))
+        self.head = head
         self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
         self.embed = target_model.get_input_embeddings()
         target_lm_head = target_model.get_output_embeddings()

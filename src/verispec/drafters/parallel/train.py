@@ -110,10 +110,10 @@ class BlockObjective:
         loss = ((classification + settings.feature_weight * regression) * scored).sum() / scored.sum().clamp(min=1.0)
         # The anchor h_t, normed, is the head's EAGLE-style guess of f_{t+1}: slot 0's target too.
         anchor = self.head.norm(outputs[0, cuts])  # [S, hidden]
-        anchor_log_probs = F.linear(anchor, self.head_rows).log_softmax(-1)  # [S, draft_vocab]
-        anchor_classification = -(target_probs[:, 0] * anchor_log_probs).sum(-1)  # [S]
-        anchor_regression = F.smooth_l1_loss(anchor, features[cuts + 1], reduction="none").mean(-1)  # [S]
+        anchor_log_probs = F.linear(anchor, self.head_rows).log_softmax(-1)  # [S, draft_vocab]: also for the metric
         if settings.anchor_weight > 0:
+            anchor_classification = -(target_probs[:, 0] * anchor_log_probs).sum(-1)  # [S]
+            anchor_regression = F.smooth_l1_loss(anchor, features[cuts + 1], reduction="none").mean(-1)  # [S]
             loss = loss + settings.anchor_weight * (anchor_classification + settings.feature_weight * anchor_regression).mean()
         agree = (draft_log_probs.argmax(-1) == target_logits.argmax(-1)).float() * scored  # [S, K]
         anchor_agree = (anchor_log_probs.argmax(-1) == target_logits[:, 0].argmax(-1)).float()  # [S]
