@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from tiny_models import noisy_copy, tiny_target
-from verispec import DraftModel, SpeculativeDecoder
+from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.bench.attack import AttackSettings, expected_acceptance, search_suffix
+from verispec.drafters.base import DraftContext
+from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from verispec.engine.cached_lm import CachedLM
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +57,51 @@ def test_search_lowers_acceptance_below_random_suffixes_and_speculation_feels_it
     decoder = SpeculativeDecoder(target, DraftModel(draft), gamma=4)
     attacked = prompt + result.suffix
     assert decoder.generate(attacked, 12, stop=[]).token_ids == plain.generate(attacked, 12, stop=[]).token_ids
+
+
+def eagle_drafter(target, draft_vocab=None):
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.for_target(target.config, 24)).eval().requires_grad_(False)
+    return EagleDrafter(target, head, draft_vocab)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, torch.arange(0, 96, 2)])
+def test_eagle_surrogate_scores_the_first_draft_the_live_head_would_make(pair, draft_vocab):
+    """An EAGLE surrogate's q_draft at each position is the live session's first-draft distribution there."""
+    target, _ = pair
+    drafter = eagle_drafter(target, draft_vocab)
+    ids, start = [3, 17, 5, 9, 3, 17, 22, 40, 8, 61], 4
+    features = CachedLM(target).extend(ids, num_logits=0).features  # [n, hidden]
+    with torch.no_grad():
+        p_target = torch.softmax(target(torch.tensor([ids])).logits[0, start - 1 : -1], -1)  # [n - start, vocab]
+    expected = []
+    for position in range(start, len(ids)):  # drafting ids[position] after ids[:position] was committed
+        session = drafter.start(ids[:position], SamplingParams(temperature=1.0))
+        proposal = session.propose(DraftContext(ids[:position], features[: position - 1], 0), 1, torch.Generator().manual_seed(0))
+        expected.append(torch.minimum(p_target[position - start], proposal.probs[0]).sum())
+    assert expected_acceptance(target, drafter, ids, start) == pytest.approx(float(torch.stack(expected).mean()), abs=1e-5)
+    with pytest.raises(ValueError, match="start"):
+        expected_acceptance(target, drafter, ids, 1)
+
+
+def test_search_on_the_eagle_head_lowers_its_acceptance_below_random_suffixes(pair):
+    target, _ = pair
+    drafter = eagle_drafter(target)
+    prompt = [3, 17, 5, 9]
+    settings = AttackSettings(suffix_tokens=6, steps=20, candidates=4, continuation_tokens=12, seed=1)
+    allowed = list(range(1, 96))
+    result = search_suffix(target, drafter, lambda suffix: prompt + suffix, settings, allowed)
+    plain = SpeculativeDecoder(target)
+
+    def acceptance(suffix):
+        attacked = prompt + suffix
+        answer = plain.generate(attacked, 12, stop=[]).token_ids
+        return expected_acceptance(target, drafter, attacked + answer, len(attacked))
+
+    rng = random.Random(7)
+    random_values = [acceptance([rng.choice(allowed) for _ in range(6)]) for _ in range(6)]
+    assert result.expected_acceptance == pytest.approx(acceptance(result.suffix))
+    assert result.expected_acceptance < min(random_values)
 
 
 def test_bad_settings_are_refused():

@@ -112,10 +112,23 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert main(["costs", *common, "--draft", "none", "--context", "8", "--tokens", "1,3", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "eagle, 50 vocab" in out and "eagle int8, 50 vocab" in out and "eagle, full vocab" in out
+    # A rejection attack searched against the EAGLE head (the default head again).
+    attack = ["attack", *common, "--surrogate", "eagle", "--prompt", "hello world", "--suffix-tokens", "2", "--steps", "1",
+              "--candidates", "1", "--continuation-tokens", "3", "--search-only", "--out", str(tmp_path / "attack")]  # fmt: skip
+    assert main(attack) == 0
+    searched = json.loads((tmp_path / "attack" / "attack.json").read_text())
+    assert searched["surrogate"] == "eagle" and len(searched["suffix"]) == 2 and 0 <= searched["expected_acceptance"] <= 1
 
 
 def test_eagle_drafter_without_a_head_is_a_clear_error(tiny_gguf, tmp_path, capsys):
     assert main(["generate", "--target", tiny_gguf, "--drafter", "eagle", "--eagle-head", str(tmp_path / "none.safetensors"), "x"]) == 2
+    err = capsys.readouterr().err
+    assert "EAGLE head" in err and "verispec eagle build" in err and "Traceback" not in err
+
+
+def test_attack_on_an_eagle_head_that_does_not_exist_fails_before_loading(tmp_path, capsys):
+    missing = tmp_path / "none.safetensors"
+    assert main(["attack", "--surrogate", "eagle", "--eagle-head", str(missing), "--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err
     assert "EAGLE head" in err and "verispec eagle build" in err and "Traceback" not in err
 
@@ -169,3 +182,17 @@ def test_attack_command_refuses_bad_options_before_loading(tiny_gguf, tmp_path, 
     with pytest.raises(SystemExit):
         main([*base, "--steps", "0"])
     assert "--steps: must be >= 1" in capsys.readouterr().err
+
+
+def test_serve_options_set_the_monitor_floor_and_window(capsys):
+    from verispec.cli import _build_parser, serve_config
+    from verispec.engine.monitor import MonitorConfig
+
+    default = serve_config(_build_parser().parse_args(["serve"])).scheduler.monitor
+    assert default == MonitorConfig()
+    monitor = serve_config(_build_parser().parse_args(["serve", "--speedup-floor", "0.95", "--monitor-window", "8"])).scheduler.monitor
+    assert (monitor.speedup_floor, monitor.window, monitor.min_rounds) == (0.95, 8, 8)
+    for option, value in (("--speedup-floor", "0"), ("--speedup-floor", "nan"), ("--monitor-window", "0")):
+        with pytest.raises(SystemExit):
+            main(["serve", option, value])
+        assert option in capsys.readouterr().err

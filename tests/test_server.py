@@ -501,3 +501,24 @@ def test_a_request_the_drafter_cannot_follow_is_decoded_plainly_unless_gamma_is_
         assert drafting_rounds <= len(stats.drafted_per_round) // 3, stats.drafted_per_round
     # A seeded request is never controlled: its random stream must not depend on timings.
     assert all(drafted > 0 for drafted in seeded.drafted_per_round[:-1])
+
+
+def test_the_configured_floor_warns_for_the_request_its_key_and_the_server(target, caplog):
+    import json
+    import logging
+
+    from verispec.engine.monitor import MonitorConfig
+
+    # plain_step_s 1 s: any real speed is far below a floor of 10^6 x plain decoding.
+    monitor = MonitorConfig(window=8, min_rounds=4, speedup_floor=1e6, plain_step_s=1.0)
+    config = SchedulerConfig(gamma=2, adaptive_gamma=False, monitor=monitor)
+    scheduler = Scheduler(target.model, DraftModel(anti_copy(target.model)), target.tokenizer, config)
+    assert scheduler.monitor.config is monitor
+    try:
+        with caplog.at_level(logging.WARNING, logger="verispec.monitor"):
+            _run_alone(scheduler, [5, 6, 7, 8, 9], 12, SamplingParams())
+    finally:
+        scheduler.stop()
+    events = [json.loads(record.message) for record in caplog.records if record.name == "verispec.monitor"]
+    assert {event["scope"].split(":")[0] for event in events} == {"global", "key", "request"}
+    assert all(event["event"] == "speculation_below_floor" and event["speedup_floor"] == 1e6 for event in events)

@@ -1,7 +1,8 @@
 """``verispec attack``: search a rejection-attack suffix, then benchmark every drafter under every stressor.
 
 Two steps. The search (random coordinate descent, :mod:`verispec.bench.attack`) runs
-the draft model against the target on the first prompt. Then every prompt is written under every
+the surrogate drafter (``--surrogate``: the draft model, or the EAGLE head) against the target on
+the first prompt. Then every prompt is written under every
 stressor (clean, random suffix, language switch, unusual format, the found suffix) to a prompts
 file, and ``verispec bench`` runs the chosen methods on it: the report is a bench report whose
 categories are the stressors - α, τ, tokens/s and the speed-up over plain decoding, per drafter
@@ -17,6 +18,7 @@ import random
 from pathlib import Path
 
 DEFAULT_ATTACK_METHODS = "plain,draft-model,draft-model-adaptive,ngram,ngram-adaptive"
+SURROGATES = ("draft-model", "eagle")
 
 
 def add_attack_parser(commands, add_sampling_options, add_kernel_options) -> None:  # noqa: ANN001 - argparse's subparsers action, cli's option adders
@@ -32,7 +34,8 @@ def add_attack_parser(commands, add_sampling_options, add_kernel_options) -> Non
         description="Step 1 searches a suffix (on the first prompt) that minimises the draft model's expected acceptance of the target's continuation. Step 2 writes every prompt under every stressor to <out>/prompts.jsonl and runs `verispec bench` on it: one category per stressor.",
     )
     attack.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
-    attack.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model the suffix is searched against (default {DEFAULT_DRAFT})")
+    attack.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
+    attack.add_argument("--surrogate", choices=SURROGATES, default="draft-model", help="the drafter the suffix is searched against: draft-model (default, --draft) or eagle (the EAGLE head: --eagle-head or the target's default head; measure the transfer to the draft model and n-gram drafting with --methods)")
     attack.add_argument("--prompt", default=None, help="one prompt (default: the first --num-prompts HumanEval problems, in the chat template)")
     attack.add_argument("--num-prompts", type=positive_int, default=1, help="HumanEval problems (default 1); the suffix is searched on the first and planted in all (transfer across prompts)")
     attack.add_argument("--suffix-tokens", type=positive_int, default=defaults.suffix_tokens, help=f"suffix length (default {defaults.suffix_tokens})")
@@ -48,7 +51,7 @@ def add_attack_parser(commands, add_sampling_options, add_kernel_options) -> Non
     attack.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per run (default 64)")
     add_sampling_options(attack)
     add_kernel_options(attack)
-    attack.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for eagle methods")
+    attack.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for eagle methods and --surrogate eagle")
     attack.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     attack.add_argument("--cache-dir", type=Path, default=None)
     attack.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory: attack.json, prompts.jsonl and the bench report in bench/ (default attack-results/<timestamp>/)")
@@ -75,21 +78,32 @@ def _attack(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.num_prompts != 1:
         raise ValueError("--num-prompts counts HumanEval problems; it cannot be combined with --prompt")
     parse_methods(args.methods)  # refuse unknown methods before minutes of searching
+    if args.surrogate == "eagle":
+        from verispec.drafters.eagle import existing_head_path
+
+        eagle_head = existing_head_path(args.eagle_head, args.target, args.cache_dir)  # before minutes of loading
     out = args.out if args.out is not None else Path("attack-results") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     prompts = [Prompt(id="prompt", category="user", text=args.prompt)] if args.prompt is not None else humaneval_prompts(args.num_prompts)
 
-    # The search scores candidates with whole-sequence passes: dense kernels and the float32 draft as loaded.
+    # The search scores candidates with whole-sequence passes: dense kernels and a float32 surrogate.
     target = load_model(args.target, cache_dir=args.cache_dir)
-    draft = load_model(args.draft, cache_dir=args.cache_dir)
+    if args.surrogate == "eagle":
+        from verispec.drafters.eagle import EagleDrafter
+
+        draft = EagleDrafter(target, eagle_head)
+        draft_vocab = draft.vocab_size
+    else:
+        draft = load_model(args.draft, cache_dir=args.cache_dir)
+        draft_vocab = draft.model.get_output_embeddings().out_features
     tokenizer = target.tokenizer
     if tokenizer is None:
         raise ValueError("--target has no tokenizer; the attack plants text in the user's message")
     # Suffix tokens: any ordinary token both models have (special tokens would end or restructure the turn).
     special = set(tokenizer.all_special_ids)
-    vocab = min(len(tokenizer), target.model.get_output_embeddings().out_features, draft.model.get_output_embeddings().out_features)
+    vocab = min(len(tokenizer), target.model.get_output_embeddings().out_features, draft_vocab)
     allowed = [token for token in range(vocab) if token not in special]
     first = prompts[0].text
 
@@ -107,6 +121,7 @@ def _attack(args: argparse.Namespace) -> int:
         "suffix": result.suffix, "suffix_text": attack_suffix, "random_suffix_text": random_suffix,
         "expected_acceptance": result.expected_acceptance, "initial_expected_acceptance": result.initial_expected_acceptance,
         "history": result.history, "settings": settings.__dict__, "searched_on": prompts[0].id, "placement": args.placement,
+        "surrogate": args.surrogate,
     }  # fmt: skip
     (out / "attack.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False))
     prompts_file = out / "prompts.jsonl"

@@ -156,6 +156,9 @@ def _add_loading_options(sub: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
+    from verispec.argtypes import positive_float, positive_int
+    from verispec.engine.monitor import MonitorConfig
+
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server batching concurrent requests through speculative decoding")
     _add_loading_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -168,6 +171,8 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--gamma-off-batch", type=int, default=2, help="batches of this size or more decode plainly, gamma 0 (default 2); gamma tapers in between")
     serve.add_argument("--gamma-control", choices=["adaptive", "fixed"], default="adaptive", help="adaptive (default): each unseeded request drafts 0..gamma a round from its own acceptance and the measured costs, decoding plainly while its text defeats the drafter (rejection attacks included); fixed: always the batch policy's gamma. Seeded requests always use the policy's gamma, so their text depends on prompt and seed only")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
+    serve.add_argument("--speedup-floor", type=positive_float, default=MonitorConfig.speedup_floor, metavar="F", help=f"log one structured warning (event speculation_below_floor; metric verispec_speculation_below_floor_total) when a request, an API key or the whole server realises less than F x plain decoding's speed over its last --monitor-window rounds, and again only after it recovered (default {MonitorConfig.speedup_floor})")
+    serve.add_argument("--monitor-window", type=positive_int, default=MonitorConfig.window, metavar="N", help=f"rounds the acceptance monitor keeps per scope for /metrics' rolling gauges and the floor check; a verdict needs min(16, N) of them (default {MonitorConfig.window})")
     serve.set_defaults(handler=_serve)
 
     loadtest = commands.add_parser("loadtest", help="concurrent streamed chat requests against a running server: throughput and latency per concurrency")
@@ -314,7 +319,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from verispec.serving import BatchGammaPolicy, SchedulerConfig, ServeConfig, create_app
+    from verispec.serving import create_app
 
     # Everything cheap first: a bad option must not cost minutes of model loading.
     _check_model_options(args)
@@ -322,14 +327,23 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
-    policy = BatchGammaPolicy(full_until=args.gamma_full_batch, off_from=args.gamma_off_batch)
-    scheduler = SchedulerConfig(gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy, adaptive_gamma=args.gamma_control == "adaptive")
-    config = ServeConfig(model_id=args.model_id or args.target, api_key=args.api_key, default_max_tokens=args.default_max_tokens, scheduler=scheduler)
+    config = serve_config(args)
     target, drafter = _load_target_and_drafter(args)
     app = create_app(config, target, drafter)
     print(f"serving {config.model_id!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def serve_config(args: argparse.Namespace):  # noqa: ANN201 - a ServeConfig (verispec.serving imported lazily)
+    """The server's configuration from ``verispec serve``'s options."""
+    from verispec.engine.monitor import MonitorConfig
+    from verispec.serving import BatchGammaPolicy, SchedulerConfig, ServeConfig
+
+    policy = BatchGammaPolicy(full_until=args.gamma_full_batch, off_from=args.gamma_off_batch)
+    monitor = MonitorConfig(window=args.monitor_window, min_rounds=min(MonitorConfig.min_rounds, args.monitor_window), speedup_floor=args.speedup_floor)
+    scheduler = SchedulerConfig(gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy, adaptive_gamma=args.gamma_control == "adaptive", monitor=monitor)
+    return ServeConfig(model_id=args.model_id or args.target, api_key=args.api_key, default_max_tokens=args.default_max_tokens, scheduler=scheduler)
 
 
 def _int_list(text: str, option: str) -> list[int]:

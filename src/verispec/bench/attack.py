@@ -13,6 +13,11 @@ target's mean negative log-likelihood of the clean continuation after the attack
 penalty keeping the answer what it was (stealth) at the cost of attack strength. The search is
 random coordinate descent: each step tries ``candidates`` single-token swaps and keeps the best
 if it improves. Output stays exact whatever the suffix: only speed is attacked.
+
+The drafter searched against (the surrogate) is a draft model or an EAGLE head. The EAGLE head's
+q_draft at each position is its first draft of a round there: teacher-forced on the target's own
+features of the attacked sequence (the features the engine would hand it), so a suffix can be
+searched on EAGLE and carried to the draft model or n-gram drafting (transfer the other way).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from verispec.engine.cached_lm import CachedLM
 from verispec.engine.decoder import SpeculativeDecoder
 from verispec.modelref import unwrap_model
 
@@ -55,27 +61,70 @@ class AttackResult:
     history: list[float]  # best score after each step
 
 
+def _draft_distributions(draft) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:  # noqa: ANN001
+    """q_draft(input_ids # [1, n], target features # [n, hidden], start) -> # [n - start, vocab]: the
+    draft's distribution of each of ids[start:], for a causal LM (or LoadedModel) or an EagleDrafter."""
+    from verispec.drafters.draft_vocab import full_vocab_probs
+    from verispec.drafters.eagle import EagleDrafter
+
+    if isinstance(draft, EagleDrafter):
+        if draft.far_memory is not None and draft.far_memory.mode != "full":
+            raise ValueError("an EAGLE surrogate attends as trained: far_memory must be None or mode 'full'")
+
+        def eagle(input_ids: torch.Tensor, features: torch.Tensor, start: int) -> torch.Tensor:
+            if start < 2:
+                raise ValueError(f"start must be >= 2 for an EAGLE surrogate (its first draft needs a feature), got {start}")
+            # Head row j reads (f_j, x_{j+1}) and predicts f_{j+1}, whose LM-head readout drafts x_{j+2}.
+            embeds = draft.embed(input_ids[:, 1:]).float()  # [1, n-1, hidden]
+            predicted = draft.head(features[None, :-1].float(), embeds)[0]  # [n-1, hidden]
+            probs = draft.draft_logits(predicted[start - 2 : -1]).softmax(-1)  # [n-start, draft_vocab]
+            return full_vocab_probs(probs, draft.vocab_ids, draft.vocab_size)
+
+        return eagle
+    draft_model, _ = unwrap_model(draft, argument="draft")
+
+    def model(input_ids: torch.Tensor, features: torch.Tensor, start: int) -> torch.Tensor:
+        return torch.softmax(draft_model(input_ids).logits[0, start - 1 : -1].float(), -1)
+
+    return model
+
+
+def _target_pass(target, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 - a causal LM
+    """One target pass: (log p_target of each of ids[start:] # [n - start, vocab], top-layer features # [n, hidden])."""
+    # The engine's own pass (same logits, same features); LM-head rows only where they are read.
+    out = CachedLM(target).extend(ids, num_logits=len(ids) - start + 1)
+    return out.logits[:-1].log_softmax(-1), out.features
+
+
 @torch.inference_mode()
-def expected_acceptance(target, draft, ids: list[int], start: int) -> float:  # noqa: ANN001 - causal LMs
-    """Mean of sum_x min(p_target(x), q_draft(x)) over the positions predicting ids[start:]."""
+def expected_acceptance(target, draft, ids: list[int], start: int) -> float:  # noqa: ANN001 - causal LMs / EagleDrafter
+    """Mean of sum_x min(p_target(x), q_draft(x)) over the positions predicting ids[start:].
+
+    ``draft``: the draft model (a causal LM) or an :class:`~verispec.drafters.eagle.EagleDrafter`.
+    """
     if not 1 <= start < len(ids):
         raise ValueError(f"start must be in [1, {len(ids) - 1}], got {start}")
-    input_ids = torch.tensor([ids])
-    p_target = torch.softmax(target(input_ids).logits[0, start - 1 : -1].float(), -1)  # [n, vocab]
-    q_draft = torch.softmax(draft(input_ids).logits[0, start - 1 : -1].float(), -1)  # [n, vocab_draft]
-    vocab = min(p_target.shape[-1], q_draft.shape[-1])
-    return float(torch.minimum(p_target[:, :vocab], q_draft[:, :vocab]).sum(-1).mean())
+    return _acceptance(unwrap_model(target, argument="target")[0], _draft_distributions(draft), ids, start)
+
+
+@torch.inference_mode()
+def _acceptance(target, q_draft, ids: list[int], start: int) -> float:  # noqa: ANN001
+    log_p_target, features = _target_pass(target, ids, start)
+    p_target = log_p_target.exp()  # [n - start, vocab]
+    q = q_draft(torch.tensor([ids]), features, start)  # [n - start, vocab_draft]
+    vocab = min(p_target.shape[-1], q.shape[-1])
+    return float(torch.minimum(p_target[:, :vocab], q[:, :vocab]).sum(-1).mean())
 
 
 @torch.inference_mode()
 def _mean_nll(target, ids: list[int], start: int) -> float:  # noqa: ANN001
-    logits = target(torch.tensor([ids])).logits[0, start - 1 : -1].float()  # [n, vocab]
-    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[start:])))
+    log_p_target, _ = _target_pass(target, ids, start)
+    return float(torch.nn.functional.nll_loss(log_p_target, torch.tensor(ids[start:])))
 
 
 def search_suffix(
     target,  # noqa: ANN001 - a causal LM (or LoadedModel)
-    draft,  # noqa: ANN001 - the drafter's model
+    draft,  # noqa: ANN001 - the draft model (causal LM / LoadedModel) or an EagleDrafter
     attacked_ids: Callable[[list[int]], list[int]],  # suffix token ids -> the full attacked prompt's ids
     settings: AttackSettings,
     allowed_tokens: list[int],
@@ -88,7 +137,7 @@ def search_suffix(
     if not attacked_ids([]):
         raise ValueError("attacked_ids([]) (the clean prompt) must not be empty")
     target_model, _ = unwrap_model(target, argument="target")
-    draft_model, _ = unwrap_model(draft, argument="draft")
+    q_draft = _draft_distributions(draft)
     plain = SpeculativeDecoder(target_model)
     clean_answer = plain.generate(attacked_ids([]), settings.continuation_tokens, stop=[]).token_ids
     rng = random.Random(settings.seed)
@@ -96,7 +145,7 @@ def search_suffix(
     def evaluate(suffix: list[int]) -> tuple[float, float]:
         attacked = attacked_ids(suffix)
         answer = plain.generate(attacked, settings.continuation_tokens, stop=[]).token_ids
-        acceptance = expected_acceptance(target_model, draft_model, attacked + answer, len(attacked))
+        acceptance = _acceptance(target_model, q_draft, attacked + answer, len(attacked))
         score = acceptance
         if settings.quality_weight > 0:
             score += settings.quality_weight * _mean_nll(target_model, attacked + clean_answer, len(attacked))

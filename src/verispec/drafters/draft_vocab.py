@@ -74,14 +74,14 @@ def reduced_lm_head(
 
 
 def full_vocab_probs(
-    probs: torch.Tensor,  # [draft_vocab]: a distribution over the draft vocabulary
+    probs: torch.Tensor,  # [..., draft_vocab]: distributions over the draft vocabulary
     vocab_ids: torch.Tensor | None,  # [draft_vocab] int64: the token id of each entry; None = the full vocabulary already
     vocab_size: int,
 ) -> torch.Tensor:
-    """q_draft over the full vocabulary # [vocab]: ``probs`` scattered to their ids, zero elsewhere."""
+    """q_draft over the full vocabulary # [..., vocab]: ``probs`` scattered to their ids, zero elsewhere."""
     if vocab_ids is None:
         return probs
-    return probs.new_zeros(vocab_size).index_copy_(0, vocab_ids, probs)
+    return probs.new_zeros(*probs.shape[:-1], vocab_size).index_copy_(-1, vocab_ids, probs)
 
 
 def is_quantized(module: nn.Module) -> bool:

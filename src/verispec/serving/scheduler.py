@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 from verispec.drafters.base import Drafter, DraftSession, Proposal
 from verispec.engine.decoder import StepResult, checked_proposal, draft_context, validate_prompt, verify_drafts
 from verispec.engine.gamma import AdaptiveGamma, StepCosts
-from verispec.engine.monitor import AcceptanceMonitor
+from verispec.engine.monitor import AcceptanceMonitor, MonitorConfig
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
 from verispec.sampling import SamplingParams
@@ -66,6 +66,8 @@ class SchedulerConfig:
     # Per-request acceptance control below the batch policy's gamma (unseeded requests: see _propose).
     adaptive_gamma: bool = True
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
+    # The acceptance monitor's window and floor (a warning per request / key / global dip below it).
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
         for name in ("gamma", "max_batch", "max_queue"):
@@ -142,7 +144,7 @@ class Scheduler:
     ) -> None:
         self.config = config if config is not None else SchedulerConfig()
         self.metrics = metrics if metrics is not None else ServerMetrics()
-        self.monitor = monitor if monitor is not None else AcceptanceMonitor()
+        self.monitor = monitor if monitor is not None else AcceptanceMonitor(self.config.monitor)
         self.target = BatchedTarget(target, self.config.compaction)
         self.drafter = drafter
         self.tokenizer = tokenizer
