@@ -46,6 +46,8 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab, help=f"draft vocabulary: the N most frequent corpus tokens, 0 = full (default {defaults.draft_vocab})")
         sub.add_argument("--noise", type=float, default=defaults.noise, help=f"input-feature noise, relative to their rms (default {defaults.noise})")
         sub.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data order (default 0)")
+        sub.add_argument("--unroll-steps", type=int, default=defaults.unroll_steps, help=f"drafting steps trained on: S > 1 also trains steps 2..S on the head's own predicted features, as drafting feeds them (training-time test; each step costs about one more pass; default {defaults.unroll_steps})")
+        sub.add_argument("--init-from", type=Path, default=None, metavar="PATH", help="start from this trained head (same target and shape) instead of a fresh one, e.g. to fine-tune it with --unroll-steps")
 
     def train_inputs(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help="feature shards directory, repeatable (default: <cache>/eagle/<target>/features and .../answers, those that exist)")
@@ -113,9 +115,12 @@ def _answer_settings(args: argparse.Namespace):  # noqa: ANN202
 def _train_settings(args: argparse.Namespace):  # noqa: ANN202
     from verispec.drafters.eagle.train import TrainSettings
 
+    if args.init_from is not None and not args.init_from.is_file():
+        raise FileNotFoundError(f"--init-from: EAGLE head {str(args.init_from)!r} does not exist")
     return TrainSettings(
         epochs=args.epochs, lr=args.lr, tokens_per_step=args.tokens_per_step, intermediate_size=args.intermediate_size,
-        draft_vocab=args.draft_vocab, noise=args.noise, seed=args.seed,
+        draft_vocab=args.draft_vocab, noise=args.noise, seed=args.seed, unroll_steps=args.unroll_steps,
+        init_from=str(args.init_from) if args.init_from is not None else "",
     )  # fmt: skip
 
 

@@ -172,6 +172,44 @@ class EagleHead(nn.Module):
             context = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, context)
 
+    def unrolled(
+        self,
+        features: torch.Tensor,  # [batch, n, hidden]: real f_i
+        next_embeds: torch.Tensor,  # [batch, n, hidden]: embed(x_{i+1})
+        steps: int,
+    ) -> list[torch.Tensor]:
+        """What drafting steps 1..``steps`` predict at every row, one pass per step ("training-time test").
+
+        Drafting feeds the head its OWN predictions after the first draft: step 1 is row i on real
+        f_i; step s reads, at row i, step s-1's prediction f̂_i (that step's output at row i-1) and
+        attends to the real rows up to i-s+1 plus rows i-s+2..i of steps 2..s — exactly the keys
+        a cached drafting step would hold. Training on these (not only on real inputs) teaches
+        the head to recover from its own errors, where the second draft's acceptance collapses.
+        Returns one # [batch, n, hidden] per step; step s's rows i < s-1 have no drafting
+        counterpart (the caller ignores them).
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        batch, num_rows, _ = features.shape
+        config = self.config
+        cos, sin = self._rope(0, num_rows, features.device)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
+        inputs = features
+        for step in range(steps):
+            hidden = self.fc(torch.cat((next_embeds, inputs), dim=-1))
+            normed = self.input_norm(hidden)
+            query = self.q_proj(normed).view(batch, num_rows, config.num_heads, config.head_dim).transpose(1, 2)
+            key = self.k_proj(normed).view(batch, num_rows, config.num_kv_heads, config.head_dim).transpose(1, 2)
+            keys.append(apply_rotary(key, cos, sin))
+            values.append(self.v_proj(normed).view(batch, num_rows, config.num_kv_heads, config.head_dim).transpose(1, 2))
+            mask = unrolled_mask(num_rows, step, features.device)  # [n, (step+1)·n]
+            context = F.scaled_dot_product_attention(apply_rotary(query, cos, sin), torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True)
+            outputs.append(self._finish(hidden, context))
+            inputs = torch.cat((features[:, :1], outputs[-1][:, :-1]), dim=1)  # row i reads f̂_i; row 0 has none (ignored)
+        return outputs
+
     def _finish(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Output projection, MLP and final norm. hidden: # [batch, n, hidden]; context: # [batch, heads, n, head_dim]"""
         batch, num_new = hidden.shape[:2]
@@ -182,3 +220,15 @@ class EagleHead(nn.Module):
 
     def _rope(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_cos_sin(torch.arange(start, end, device=device, dtype=torch.float32), self.inv_freq)
+
+
+def unrolled_mask(num_rows: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """Keys visible to unrolled step ``step`` (0-based) # [n, (step+1)·n] bool, keys laid out step by step.
+
+    Row i of step s sees step 0's rows c <= i - s (the real context) and, of each step k = 1..s,
+    the one row i - s + k (the drafts made before it in the same round, and itself).
+    """
+    rows = torch.arange(num_rows, device=device)[:, None]
+    cols = torch.arange(num_rows, device=device)[None, :]
+    blocks = [cols <= rows - step] + [cols == rows - step + k for k in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)

@@ -8,7 +8,11 @@ For a sequence with target features f_0..f_{n-1} and tokens x_0..x_{n-1}, the he
 with W the target's frozen LM head (restricted to the draft vocabulary): the classification
 term distils the target's own next-token distribution, which is what drafts are accepted
 against. Noise: uniform in ±noise·rms(f) on the input features, so the head learns to recover
-from its own imperfect predictions when it drafts several steps ahead.
+from its own imperfect predictions when it drafts several steps ahead. ``unroll_steps`` S > 1
+trains on those predictions themselves ("training-time test", :meth:`EagleHead.unrolled`):
+the loss is the mean over drafting steps s = 1..S of the same loss on step s's predictions,
+which read the head's own step s-1 features exactly as drafting does. ``init_from`` starts
+from a trained head (e.g. fine-tune a one-step head with unrolling).
 AdamW, linear warm-up then cosine decay; a checkpoint (head, optimiser, step, RNG) is written
 every ``checkpoint_every`` steps and the run resumes from it.
 """
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from verispec.drafters.eagle.checkpoint import save_head, target_fingerprint
+from verispec.drafters.eagle.checkpoint import load_head, save_head, target_fingerprint
 from verispec.drafters.eagle.extract import load_shards
 from verispec.drafters.eagle.head import EagleConfig, EagleHead
 
@@ -47,12 +51,16 @@ class TrainSettings:
     validation_fraction: float = 0.05
     checkpoint_every: int = 50
     seed: int = 0
+    unroll_steps: int = 1  # drafting steps trained on (1: real input features only)
+    init_from: str = ""  # a head file to start from ("" = fresh initialisation)
 
     def __post_init__(self) -> None:
         positive = ("epochs", "lr", "tokens_per_step", "max_seq_len", "intermediate_size", "checkpoint_every")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if isinstance(self.unroll_steps, bool) or not isinstance(self.unroll_steps, int) or self.unroll_steps < 1:
+            raise ValueError(f"unroll_steps must be an integer >= 1, got {self.unroll_steps!r}")
         for name in ("noise", "ce_weight", "weight_decay", "grad_clip", "warmup_steps", "draft_vocab"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -86,13 +94,24 @@ class _Objective:
             next_embeds = self.embed(tokens[1:]).float()  # embed(x_{i+1})
             target_logits = F.linear(targets, self.head_rows)  # [n-1, draft_vocab]
             target_probs = torch.softmax(target_logits, -1)
-        predicted = self.head(inputs[None], next_embeds[None])[0]  # [n-1, hidden]
-        regression = F.smooth_l1_loss(predicted, targets)
-        draft_log_probs = torch.log_softmax(F.linear(predicted, self.head_rows), -1)
-        classification = -(target_probs * draft_log_probs).sum(-1).mean()
-        loss = regression + self.settings.ce_weight * classification
-        top1 = (draft_log_probs.argmax(-1) == target_logits.argmax(-1)).float().mean()
-        return loss, {"regression": regression.item(), "classification": classification.item(), "top1": top1.item()}
+        steps = min(self.settings.unroll_steps, len(targets))  # step s has rows s-1.. only
+        if steps == 1:
+            predictions = [self.head(inputs[None], next_embeds[None])]
+        else:
+            predictions = self.head.unrolled(inputs[None], next_embeds[None], steps)  # each [1, n-1, hidden]
+        loss, metrics = 0.0, {}
+        for step, predicted in enumerate(predictions):
+            predicted = predicted[0, step:]  # rows with a drafting counterpart at this step
+            regression = F.smooth_l1_loss(predicted, targets[step:])
+            draft_log_probs = torch.log_softmax(F.linear(predicted, self.head_rows), -1)
+            classification = -(target_probs[step:] * draft_log_probs).sum(-1).mean()
+            loss = loss + (regression + self.settings.ce_weight * classification) / steps
+            top1 = (draft_log_probs.argmax(-1) == target_logits[step:].argmax(-1)).float().mean()
+            if step == 0:
+                metrics.update(regression=regression.item(), classification=classification.item(), top1=top1.item())
+            else:
+                metrics.update({f"regression_step{step + 1}": regression.item(), f"top1_step{step + 1}": top1.item()})
+        return loss, metrics
 
 
 def train_head(
@@ -114,6 +133,11 @@ def train_head(
     torch.manual_seed(settings.seed)
     config = EagleConfig.for_target(model.config, settings.intermediate_size)
     head = EagleHead(config)
+    if settings.init_from:
+        start_head, _ = load_head(settings.init_from, model)  # refuses a head of another target
+        if start_head.config != config:
+            raise ValueError(f"init_from {settings.init_from!r} has another shape ({start_head.config}) than this run's head ({config})")
+        head.load_state_dict(start_head.state_dict())
     vocab_size = model.get_output_embeddings().weight.shape[0]
     draft_vocab = most_frequent_tokens(training, settings.draft_vocab, vocab_size) if 0 < settings.draft_vocab < vocab_size else None
     objective = _Objective(head, model.get_input_embeddings(), lm_head_rows(model, draft_vocab), settings)
@@ -194,13 +218,13 @@ def evaluate(objective: _Objective, sequences: list[tuple[torch.Tensor, torch.Te
     if not sequences:
         return {}
     totals: Counter[str] = Counter()
-    positions = 0
+    positions: Counter[str] = Counter()  # per metric: a sequence too short for a step has no value for it
     for tokens, features in sequences:
         _, values = objective(tokens, features, None)
         for key, value in values.items():
             totals[key] += value * (len(tokens) - 1)
-        positions += len(tokens) - 1
-    return {key: value / positions for key, value in totals.items()}
+            positions[key] += len(tokens) - 1
+    return {key: value / positions[key] for key, value in totals.items()}
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
