@@ -147,12 +147,7 @@ class EagleHead(nn.Module):
         used with one setting for its whole life.
         """
         batch, num_new, _ = features.shape
-        config = self.config
-        hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
-        normed = self.input_norm(hidden)
-        query = self.q_proj(normed).view(batch, num_new, config.num_heads, config.head_dim).transpose(1, 2)
-        key = self.k_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
-        value = self.v_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
+        hidden, query, key, value = self._inputs(features, next_embeds)
         if cache is not None and (batch != 1 or start != cache.length):
             raise ValueError(f"a cached head step takes batch 1 at position {cache.length}, got batch {batch} at {start}")
         if far_memory is not None and far_memory.changes_attention:
@@ -190,25 +185,33 @@ class EagleHead(nn.Module):
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-        batch, num_rows, _ = features.shape
-        config = self.config
+        num_rows = features.shape[1]
         cos, sin = self._rope(0, num_rows, features.device)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         outputs: list[torch.Tensor] = []
         inputs = features
         for step in range(steps):
-            hidden = self.fc(torch.cat((next_embeds, inputs), dim=-1))
-            normed = self.input_norm(hidden)
-            query = self.q_proj(normed).view(batch, num_rows, config.num_heads, config.head_dim).transpose(1, 2)
-            key = self.k_proj(normed).view(batch, num_rows, config.num_kv_heads, config.head_dim).transpose(1, 2)
+            hidden, query, key, value = self._inputs(inputs, next_embeds)
             keys.append(apply_rotary(key, cos, sin))
-            values.append(self.v_proj(normed).view(batch, num_rows, config.num_kv_heads, config.head_dim).transpose(1, 2))
+            values.append(value)
             mask = unrolled_mask(num_rows, step, features.device)  # [n, (step+1)·n]
             context = F.scaled_dot_product_attention(apply_rotary(query, cos, sin), torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True)
             outputs.append(self._finish(hidden, context))
             inputs = torch.cat((features[:, :1], outputs[-1][:, :-1]), dim=1)  # row i reads f̂_i; row 0 has none (ignored)
         return outputs
+
+    def _inputs(self, features: torch.Tensor, next_embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(hidden # [batch, n, hidden], unrotated query # [batch, heads, n, head_dim], key and value
+        # [batch, kv_heads, n, head_dim]) of rows reading features and next_embeds # [batch, n, hidden]."""
+        batch, num_new, _ = features.shape
+        config = self.config
+        hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
+        normed = self.input_norm(hidden)
+        query = self.q_proj(normed).view(batch, num_new, config.num_heads, config.head_dim).transpose(1, 2)
+        key = self.k_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
+        value = self.v_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
+        return hidden, query, key, value
 
     def _finish(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Output projection, MLP and final norm. hidden: # [batch, n, hidden]; context: # [batch, heads, n, head_dim]"""
