@@ -367,6 +367,13 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
         assert code == 2
         err = capsys.readouterr().err
         assert "error:" in err and message in err and "Traceback" not in err
+    # `verispec costs` times the head's drafting per proposed token, float32 and int8, with and without correction.
+    costs = ["costs", "--target", str(gguf), "--draft", "none", "--parallel-head", str(path), "--cache-dir", str(tmp_path),
+             "--context", "8", "--tokens", "1", "--repeats", "1"]  # fmt: skip
+    assert main(costs) == 0
+    out = capsys.readouterr().out
+    assert "rounds of 3 drafts" in out
+    assert all(f"{name}, {precision}" in out for name in ("parallel", "parallel-corrected") for precision in ("float32", "int8"))
 
 
 def test_proposal_cost_times_drafting_only(target):
