@@ -356,6 +356,21 @@ def test_int8_quantized_draft_keeps_output_exact(target):
     assert result.stats.acceptance_rate > 0.3
 
 
+def test_int8_quantization_scales_each_output_row():
+    """Rows with small weights keep their precision: one tensor-wide scale would round them to ~0."""
+    from verispec.models import quantize_int8
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 4, bias=False))
+    with torch.no_grad():
+        layer[0].weight[1:] *= 1e-3  # rows 1..3 a thousand times smaller than row 0
+    weight = layer[0].weight.detach().clone()  # [4, 64]
+    quantized = quantize_int8(layer)[0]
+    dequantized = quantized.weight().dequantize()  # [4, 64]
+    relative_error = (dequantized - weight).norm(dim=1) / weight.norm(dim=1)  # [4]
+    assert float(relative_error.max()) < 0.02, relative_error  # per-tensor scales: ~1.0 for rows 1..3
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
 def test_reduced_draft_vocabulary_drafts_only_from_it_and_stays_exact(target, quantized):
     from verispec.models import quantize_int8
