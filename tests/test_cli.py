@@ -32,6 +32,25 @@ def test_generate_plain_matches_speculative_text(tiny_gguf, capsys):
     assert capsys.readouterr().out == plain
 
 
+def test_draft_forward_option_picks_the_draft_models_forward_and_keeps_the_text(tiny_gguf, capsys):
+    from verispec.cli import _build_parser, draft_lean
+
+    parser = _build_parser()
+    assert draft_lean(parser.parse_args(["generate", "x"])) is None  # lean where the model allows
+    assert draft_lean(parser.parse_args(["bench", "--draft-forward", "transformers"])) is False
+    common = ["generate", "--target", tiny_gguf, "--draft", tiny_gguf, "--max-new-tokens", "10", "--raw", "hello the"]
+    texts = []
+    for forward in ("lean", "transformers"):
+        assert main([*common, "--draft-forward", forward]) == 0
+        out, err = capsys.readouterr()
+        texts.append(out)
+        assert "alpha 1.00" in err  # the draft is the target itself: every draft accepted either way
+    assert texts[0] == texts[1]
+    with pytest.raises(SystemExit):
+        main([*common, "--draft-forward", "fast"])
+    assert "--draft-forward" in capsys.readouterr().err
+
+
 def test_compare_writes_json(tiny_gguf, tmp_path, capsys):
     report = tmp_path / "report.json"
     args = ["compare", "--target", tiny_gguf, "--draft", tiny_gguf, "--max-new-tokens", "8", "--json", str(report), "hi"]
@@ -84,7 +103,7 @@ def test_costs_prints_a_table_per_kernel_setting(tiny_gguf, capsys):
     args = ["costs", "--target", tiny_gguf, "--draft", tiny_gguf, "--context", "8", "--tokens", "1,4", "--repeats", "2"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    for setting in ["target dense", "draft float32", "draft int8"]:
+    for setting in ["target dense", "draft float32", "draft float32, lean", "draft int8", "draft int8, lean (default)"]:
         assert setting in out
     assert "1.00x" in out
 

@@ -16,7 +16,7 @@ from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, EagleHeadMismatchError, load_head, save_head, target_fingerprint
 from verispec.drafters.eagle.corpus import Document, humaneval_entry_points, stdlib_documents
 from verispec.drafters.eagle.extract import ExtractSettings, extract_features, load_shards
-from verispec.drafters.eagle.head import HeadKVCache
+from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.eagle.train import TrainSettings, train_head
 from verispec.models import LoadedModel
 
@@ -58,7 +58,7 @@ def test_cached_steps_match_one_causal_pass_and_crop_rolls_back(target):
     hidden = target.config.hidden_size
     features, embeds = torch.randn(1, 9, hidden), torch.randn(1, 9, hidden)
     full = head(features, embeds)  # causal over the 9 rows, no cache
-    cache = HeadKVCache()
+    cache = LayerKVCache()
     first = head(features[:, :5], embeds[:, :5], start=0, cache=cache)
     rest = [head(features[:, i : i + 1], embeds[:, i : i + 1], start=i, cache=cache) for i in range(5, 9)]
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, atol=1e-5, rtol=1e-5)
@@ -77,7 +77,7 @@ def test_unrolled_steps_are_what_cached_drafting_computes(target):
     unrolled = head.unrolled(features, embeds, steps)
     assert torch.allclose(unrolled[0], head(features, embeds), atol=1e-5)  # step 1 is the plain causal pass
     for real in range(1, rows - steps + 2):  # real rows 0..real-1 in the cache, then steps 2..3 on own predictions
-        cache = HeadKVCache()
+        cache = LayerKVCache()
         predicted = head(features[:, :real], embeds[:, :real], start=0, cache=cache)[:, -1:]  # step 1 at row real-1
         assert torch.allclose(predicted, unrolled[0][:, real - 1 : real], atol=1e-5)
         for step in range(1, steps):

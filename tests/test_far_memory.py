@@ -8,7 +8,7 @@ import torch
 from tiny_models import tiny_target
 from verispec import SpeculativeDecoder
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
-from verispec.drafters.eagle.head import HeadKVCache
+from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.far_memory import FarMemoryConfig, assigned_key_positions, far_memory_attention
 from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
 
@@ -175,18 +175,18 @@ def test_head_with_a_window_covering_everything_matches_the_trained_attention(ta
     features, embeds = torch.randn(1, 12, hidden), torch.randn(1, 12, hidden)
     expected = head(features, embeds)
     covering = FarMemoryConfig("fold", local_window=12, memory_temperature=1.0, memory_weight=1.0)
-    cache = HeadKVCache()
+    cache = LayerKVCache()
     first = head(features[:, :8], embeds[:, :8], start=0, cache=cache, far_memory=covering)  # catch-up
     rest = [head(features[:, i : i + 1], embeds[:, i : i + 1], start=i, cache=cache, far_memory=covering) for i in range(8, 12)]
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), expected, atol=1e-5, rtol=1e-5)
     # A short window changes the drafts (else the option would do nothing).
     short = FarMemoryConfig("fold", local_window=2, memory_temperature=0.5, memory_weight=1.0)
-    assert not torch.allclose(head(features, embeds, start=0, cache=HeadKVCache(), far_memory=short), expected, atol=1e-3)
-    with pytest.raises(ValueError, match="HeadKVCache"):
+    assert not torch.allclose(head(features, embeds, start=0, cache=LayerKVCache(), far_memory=short), expected, atol=1e-3)
+    with pytest.raises(ValueError, match="LayerKVCache"):
         head(features, embeds, far_memory=short)
     # Mode "full" is the trained attention, bit for bit.
-    as_trained = head(features, embeds, start=0, cache=HeadKVCache())
-    assert torch.equal(head(features, embeds, start=0, cache=HeadKVCache(), far_memory=FarMemoryConfig("full")), as_trained)
+    as_trained = head(features, embeds, start=0, cache=LayerKVCache())
+    assert torch.equal(head(features, embeds, start=0, cache=LayerKVCache(), far_memory=FarMemoryConfig("full")), as_trained)
 
 
 @pytest.mark.parametrize("mode", ["local", "fold"])

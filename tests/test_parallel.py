@@ -14,7 +14,7 @@ from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import DraftContext
 from verispec.drafters.eagle import EagleDrafter, EagleHeadMismatchError, save_head, target_fingerprint
 from verispec.drafters.eagle.extract import ExtractSettings, extract_features
-from verispec.drafters.eagle.head import HeadKVCache
+from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead, best_path, load_parallel_head, save_parallel_head, top_paths
 from verispec.drafters.parallel.head import cached
 from verispec.drafters.parallel.train import BlockObjective, ParallelTrainSettings, train_parallel_head
@@ -97,7 +97,7 @@ def test_cached_drafting_blocks_equal_the_training_computation(target, num_layer
     whole, outputs = head.encode_context(features, embeds)
     visible = torch.arange(12)[None] <= cuts[:, None]
     trained = head.draft_block(whole, outputs[0, cuts], cuts + 1, known_embeds, known, visible)
-    caches = [HeadKVCache() for _ in range(num_layers)]
+    caches = [LayerKVCache() for _ in range(num_layers)]
     head.encode_context(features[:, :3], embeds[:, :3], start=0, caches=caches)
     _, last = head.encode_context(features[:, 3:5], embeds[:, 3:5], start=3, caches=caches)
     first = head.draft_block([cached(c) for c in caches], last[:, -1], torch.tensor([5]), known_embeds[:1], known[:1])

@@ -39,6 +39,12 @@ def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     sub.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft model: draft over the first N token ids plus the special ones only (byte-level BPE numbers tokens by merge order, roughly by frequency), so a draft step multiplies by N LM-head rows instead of all; 0 = the full vocabulary (default). Exact either way")
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE or parallel head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
+    sub.add_argument("--draft-forward", choices=["lean", "transformers"], default="lean", help="lean (default): the draft model runs through our own forward over its modules (stacked q/k/v and gate/up products, in-place KV cache; Llama/Qwen2/Mistral, else falls back); transformers: the model's own forward. The output is the target's either way")
+
+
+def draft_lean(args: argparse.Namespace) -> bool | None:
+    """DraftModel's ``lean`` for --draft-forward: None (lean where the model allows) or False."""
+    return None if getattr(args, "draft_forward", "lean") == "lean" else False
 
 
 def _check_decoding_options(args: argparse.Namespace, max_new_tokens: int):  # noqa: ANN202 - SamplingParams
@@ -276,7 +282,7 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
         drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args))
     else:
-        drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None) if draft is not None else None
+        drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None, lean=draft_lean(args)) if draft is not None else None
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return target, drafter
 
@@ -453,13 +459,20 @@ def _costs(args: argparse.Namespace) -> int:
     del target
     if args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)
+        from verispec.engine.lean_lm import lean_unsupported_reason
+
+        lean = lean_unsupported_reason(draft.model) is None  # what DraftModel runs by default
         rows["draft float32"] = forward_costs(draft.model, args.context, counts, args.repeats)
+        if lean:
+            rows["draft float32, lean"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True)
         rows["draft int8"] = forward_costs(quantize_int8(draft.model), args.context, counts, args.repeats)
+        if lean:
+            rows["draft int8, lean (default)"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True)
         if args.draft_vocab:
             from verispec.drafters import DraftModel
 
             reduced = DraftModel(draft, draft_vocab=args.draft_vocab)
-            rows[f"draft int8, {len(reduced.vocab_ids)} vocab"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head)
+            rows[f"draft int8, {len(reduced.vocab_ids)} vocab"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head, lean=lean)
     print(f"median ms per forward pass over N new tokens after a {args.context}-token cache ({torch.get_num_threads()} threads)")
     print(format_costs(rows))
     return 0
@@ -548,7 +561,7 @@ def _bench(args: argparse.Namespace) -> int:
         prompts, per_set = _bench_prompts(args, preset, target.tokenizer)
     head_quantize = args.draft_quantize == "int8"
     far_memory = far_memory_from_args(args, "fold")
-    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, head_quantize, far_memory, parallel_head, args.draft_vocab or None) for name in names}
+    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, head_quantize, far_memory, parallel_head, args.draft_vocab or None, draft_lean(args)) for name in names}
     answer_method = build_method("plain", target, None, args.gamma) if args.multi_turn and "plain" not in methods else None
     settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup, chat=not args.raw)
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from verispec.engine.cached_lm import CachedLM
+from verispec.engine.lean_lm import LeanDecoder, LeanLM
 
 
 @dataclass
@@ -20,15 +21,16 @@ class ForwardCost:
     median_s: float
 
 
-def forward_costs(model, context_tokens: int, new_token_counts: list[int], repeats: int = 5, lm_head=None) -> list[ForwardCost]:  # noqa: ANN001
+def forward_costs(model, context_tokens: int, new_token_counts: list[int], repeats: int = 5, lm_head=None, lean: bool = False) -> list[ForwardCost]:  # noqa: ANN001
     """Median seconds of one pass over ``n`` new tokens after a ``context_tokens`` cache, per n.
 
     The cache is cropped back after every pass, so each one sees the same context length.
     ``lm_head``: an output layer replacing the model's (a drafter's reduced-vocabulary rows).
+    ``lean``: through our lean forward (what draft models run) instead of the model's own.
     """
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
         raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
-    lm = CachedLM(model, lm_head=lm_head)
+    lm = LeanLM(model, LeanDecoder.shared(model), lm_head=lm_head) if lean else CachedLM(model, lm_head=lm_head)
     vocab = lm.vocab_size
     # Arbitrary but fixed token ids: cost does not depend on which tokens they are.
     lm.extend([(7 * i + 11) % vocab for i in range(context_tokens)], num_logits=0)
@@ -50,11 +52,12 @@ def forward_costs(model, context_tokens: int, new_token_counts: list[int], repea
 def format_costs(rows: dict[str, list[ForwardCost]]) -> str:
     """A table: one row per setting, ms per pass and the ratio to a 1-token pass."""
     counts = [cost.new_tokens for cost in next(iter(rows.values()))]
-    lines = ["setting".ljust(24) + "".join(f"{n:>14}" for n in counts)]
+    width = max(24, *(len(name) + 2 for name in rows))
+    lines = ["setting".ljust(width) + "".join(f"{n:>14}" for n in counts)]
     for name, costs in rows.items():
         base = costs[0].median_s if costs[0].new_tokens == 1 else None
         cells = [f"{c.median_s * 1000:7.0f}ms" + (f" {c.median_s / base:4.2f}x" if base else "") for c in costs]
-        lines.append(name.ljust(24) + "".join(f"{cell:>14}" for cell in cells))
+        lines.append(name.ljust(width) + "".join(f"{cell:>14}" for cell in cells))
     return "\n".join(lines)
 
 
@@ -66,13 +69,13 @@ def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repea
     """
     import torch
 
-    from verispec.drafters.eagle.head import HeadKVCache
+    from verispec.engine.kv_cache import LayerKVCache
 
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
         raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
     head, hidden = drafter.head, drafter.head.config.hidden_size
     generator = torch.Generator().manual_seed(0)
-    cache = HeadKVCache()
+    cache = LayerKVCache()
     costs = []
     with torch.inference_mode():
         head(torch.randn(1, context_tokens, hidden, generator=generator), torch.randn(1, context_tokens, hidden, generator=generator), 0, cache)

@@ -166,6 +166,7 @@ def build_method(
     far_memory: Any | None = None,
     parallel_head: Any | None = None,
     draft_vocab: int | None = None,
+    draft_lean: bool | None = None,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
@@ -177,6 +178,7 @@ def build_method(
     eagle-adaptive always attend as trained.
     ``parallel_head``: the parallel head (checkpoint path or ``ParallelHead``) for the parallel methods.
     ``draft_vocab``: our draft-model methods draft over the first N token ids (+ special ones) only.
+    ``draft_lean``: ``DraftModel(lean=...)`` for our draft-model methods (None: our lean forward where it applies).
     """
     spec = METHODS[name]
     if spec.needs_draft and draft is None:
@@ -190,7 +192,7 @@ def build_method(
         return OursMethod(name, SpeculativeDecoder(target))
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
     if name.startswith("draft-model"):
-        drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab)
+        drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean)
     elif name.startswith("eagle"):
         from verispec.drafters.eagle import EagleDrafter
 
@@ -208,7 +210,7 @@ def build_method(
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
         drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, name=name)
     elif name.startswith("ngram+"):
-        drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab))
+        drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean))
     else:
         drafter = NgramDrafter()
     return OursMethod(name, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))

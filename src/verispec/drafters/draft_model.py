@@ -7,9 +7,11 @@ from typing import Any
 import torch
 
 from verispec.drafters.base import DraftContext, Proposal
-from verispec.drafters.draft_vocab import full_vocab_probs, is_quantized, leading_token_ids, reduced_lm_head
+from verispec.drafters.draft_vocab import full_vocab_probs, leading_token_ids, reduced_lm_head
 from verispec.engine.cached_lm import CachedLM
+from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_unsupported_reason
 from verispec.modelref import unwrap_model
+from verispec.models.quantize import is_quantized
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
 
@@ -25,6 +27,12 @@ class DraftModel:
     first N ids plus the special ones (an int, see :func:`leading_token_ids`): each draft step
     then multiplies by those LM-head rows only, the costliest matrix of a small model. Exact
     either way: verification receives the probabilities actually sampled from, zero outside.
+
+    ``lean``: run the draft through :class:`~verispec.engine.lean_lm.LeanDecoder` (our own forward
+    over the model's modules with an in-place KV cache; a third less time per draft step on this
+    CPU) instead of the model's transformers forward. None (default): when the model supports it
+    (Llama/Qwen2/Mistral, float32 or int8 linears); True: required (ValueError naming the reason);
+    False: never. Build the drafter after quantising the model: the lean forward keeps its modules.
     """
 
     needs_target_features = False
@@ -35,6 +43,7 @@ class DraftModel:
         name: str = "draft-model",
         confidence_threshold: float | None = None,
         draft_vocab: int | torch.Tensor | None = None,  # [draft_vocab] int64 ids, or a count
+        lean: bool | None = None,
     ) -> None:
         self.model, self.tokenizer = unwrap_model(model, argument="DraftModel(model)")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
@@ -49,6 +58,10 @@ class DraftModel:
             raise ValueError(f"draft_vocab must be a token count, a tensor of token ids or None, got {type(draft_vocab).__name__}")
         # None: the model's own head; else one copy of the chosen rows, int8 if the model's head is.
         self.vocab_ids, self.lm_head = reduced_lm_head(lm_head, draft_vocab, quantize=is_quantized(lm_head))
+        if lean not in (None, True, False):
+            raise ValueError(f"lean must be True, False or None, got {lean!r}")
+        use_lean = lean if lean is not None else lean_unsupported_reason(self.model) is None
+        self.lean_decoder = LeanDecoder.shared(self.model) if use_lean else None  # raises naming the reason if lean=True cannot work
 
     def _special_ids(self) -> list[int]:
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -56,7 +69,11 @@ class DraftModel:
         return ids + list(getattr(self.tokenizer, "all_special_ids", None) or [])
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "DraftModelSession":
-        lm = CachedLM(self.model, lm_head=self.lm_head)  # the model's own head unless a draft vocabulary is set
+        # The model's own head unless a draft vocabulary is set.
+        if self.lean_decoder is not None:
+            lm: CachedLM = LeanLM(self.model, self.lean_decoder, lm_head=self.lm_head)
+        else:
+            lm = CachedLM(self.model, lm_head=self.lm_head)
         return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from verispec.modelref import unwrap_model
-from verispec.models.quantize import quantize_int8
+from verispec.models.quantize import float_weight, is_quantized, quantize_int8
 
 
 def resolve_head(
@@ -63,7 +63,7 @@ def reduced_lm_head(
     """
     if draft_vocab is None:
         return None, lm_head
-    weight = _float_weight(lm_head)  # [vocab, hidden]
+    weight = float_weight(lm_head)  # [vocab, hidden]
     vocab = weight.shape[0]
     if draft_vocab.ndim != 1 or draft_vocab.numel() == 0 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= vocab:
         raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids in [0, {vocab})")
@@ -82,18 +82,6 @@ def full_vocab_probs(
     if vocab_ids is None:
         return probs
     return probs.new_zeros(*probs.shape[:-1], vocab_size).index_copy_(-1, vocab_ids, probs)
-
-
-def is_quantized(module: nn.Module) -> bool:
-    """An int8 dynamic-quantised linear (what :func:`quantize_int8` swaps in)."""
-    return callable(getattr(module, "weight", None))
-
-
-def _float_weight(linear: nn.Module) -> torch.Tensor:
-    """A linear layer's weight # [out, in] as float32, dequantised if the layer is int8."""
-    if is_quantized(linear):
-        return linear.weight().dequantize().float()
-    return linear.weight.detach().float()
 
 
 def leading_token_ids(vocab_size: int, count: int, always: list[int]) -> torch.Tensor:

@@ -43,7 +43,7 @@ class CachedLM:
         self._logit_scale = getattr(config, "logit_scale", None)
         self.device = next(model.parameters()).device
         self._cache_kwarg = cache_argument_name(type(self.body))
-        self.cache = DynamicCache(config=model.config)
+        self.cache = self._empty_cache()
         self.token_ids: list[int] = []
 
     @property
@@ -64,10 +64,9 @@ class CachedLM:
             raise ValueError("extend() needs at least one new token")
         if not 0 <= num_logits <= len(new_ids):
             raise ValueError(f"num_logits must be in [0, {len(new_ids)}], got {num_logits}")
-        input_ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        out = self.body(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: self.cache})
+        input_ids = torch.tensor(new_ids, dtype=torch.long, device=self.device)
+        features = self._run_body(input_ids)  # [num_fed, hidden]
         self.token_ids.extend(new_ids)
-        features = out.last_hidden_state[0]  # [num_fed, hidden]
         logits = self.logits(features[len(new_ids) - num_logits :]) if num_logits else features.new_empty(0, self.vocab_size)
         return ForwardOutput(logits=logits, features=features)
 
@@ -87,8 +86,7 @@ class CachedLM:
             raise ValueError(f"crop length must be in [0, {len(self.token_ids)}], got {length}")
         tokens_to_remove = len(self.token_ids) - length
         if tokens_to_remove:
-            # transformers 5 takes the number of tokens to remove as a negative count.
-            self.cache.crop(-tokens_to_remove)
+            self._drop_cached(tokens_to_remove)
             del self.token_ids[length:]
 
     def sync(self, token_ids: list[int]) -> list[int]:
@@ -105,5 +103,19 @@ class CachedLM:
 
     def release(self) -> None:
         """Free the cache's memory (the object stays usable, empty)."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self._empty_cache()
         self.token_ids = []
+
+    # The cache itself: transformers' DynamicCache through the model's own forward. A subclass
+    # (LeanLM) swaps these three for its own forward and cache; everything above stays shared.
+    def _empty_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def _run_body(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Top-layer features # [n, hidden] of input_ids # [n], appended to the cache."""
+        out = self.body(input_ids=input_ids[None], use_cache=True, **{self._cache_kwarg: self.cache})
+        return out.last_hidden_state[0]
+
+    def _drop_cached(self, num_tokens: int) -> None:
+        # transformers 5 takes the number of tokens to remove as a negative count.
+        self.cache.crop(-num_tokens)

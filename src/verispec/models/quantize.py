@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 
@@ -33,3 +34,54 @@ def quantize_int8(model: PreTrainedModel | torch.nn.Module) -> PreTrainedModel |
         qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
         torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
     return model
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """An int8 dynamic-quantised linear (what :func:`quantize_int8` swaps in): its weight is a method."""
+    return callable(getattr(module, "weight", None))
+
+
+def float_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's weight # [out, in] as float32, dequantised if the layer is int8."""
+    if is_quantized(linear):
+        return linear.weight().dequantize().float()
+    return linear.weight.detach().float()
+
+
+def stacked_linear(linears: list[nn.Module]) -> nn.Module:
+    """One linear layer computing ``torch.cat([linear(x) for linear in linears], -1)`` in one product.
+
+    Float layers are concatenated row-wise. int8 layers keep their exact int8 rows and per-row
+    scales (a per-tensor scale is repeated for each of its rows), so the stacked layer's output
+    equals the separate ones': re-quantising dequantised weights would move the scales.
+    """
+    if not linears or len({float_weight(linear).shape[1] for linear in linears}) != 1:
+        raise ValueError("stacked_linear needs one or more linear layers of the same input width")
+    biases = [linear.bias() if is_quantized(linear) else linear.bias for linear in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach().float() if b is not None else torch.zeros(float_weight(linear).shape[0]) for b, linear in zip(biases, linears)])
+    if not any(is_quantized(linear) for linear in linears):
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+        with torch.no_grad():
+            stacked.weight.copy_(weight)
+            if bias is not None:
+                stacked.bias.copy_(bias)
+        return stacked.requires_grad_(False)
+    if not all(is_quantized(linear) for linear in linears):
+        raise ValueError("stacked_linear cannot mix int8 and float layers")
+    int_rows, scales, zero_points = [], [], []
+    for linear in linears:
+        weight = linear.weight()  # quantised [out, in]
+        int_rows.append(weight.int_repr())
+        if weight.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            scales.append(torch.full((weight.shape[0],), weight.q_scale(), dtype=torch.float64))
+            zero_points.append(torch.full((weight.shape[0],), weight.q_zero_point(), dtype=torch.long))
+        else:
+            scales.append(weight.q_per_channel_scales().double())
+            zero_points.append(weight.q_per_channel_zero_points().long())
+    weight = torch._make_per_channel_quantized_tensor(torch.cat(int_rows), torch.cat(scales), torch.cat(zero_points), 0)
+    stacked = torch.ao.nn.quantized.dynamic.Linear(weight.shape[1], weight.shape[0], bias_=bias is not None, dtype=torch.qint8)
+    stacked.set_weight_bias(weight, bias)
+    return stacked

@@ -23,8 +23,9 @@ import torch
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
 from verispec.drafters.draft_vocab import full_vocab_probs, reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
-from verispec.drafters.eagle.head import EagleHead, HeadKVCache
+from verispec.drafters.eagle.head import EagleHead
 from verispec.drafters.far_memory import FarMemoryConfig
+from verispec.engine.kv_cache import LayerKVCache
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
 
@@ -75,7 +76,7 @@ class EagleSession:
     def __init__(self, drafter: EagleDrafter, sampling: SamplingParams) -> None:
         self.drafter = drafter
         self.sampling = sampling
-        self.cache = HeadKVCache()
+        self.cache = LayerKVCache()
         self.num_real = 0  # head positions fed with real target features (0 .. num_real-1)
         self.next_feature: torch.Tensor | None = None  # [hidden]: f̂ at position num_real, from the catch-up
 
@@ -120,5 +121,5 @@ class EagleSession:
         return 1
 
     def close(self) -> None:
-        self.cache = HeadKVCache()
+        self.cache = LayerKVCache()
         self.num_real, self.next_feature = 0, None

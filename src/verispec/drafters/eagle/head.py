@@ -24,6 +24,7 @@ from torch import nn
 
 from verispec.drafters.far_memory import FarMemoryConfig, far_memory_attention
 from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+from verispec.engine.kv_cache import LayerKVCache
 
 
 @dataclass(frozen=True)
@@ -70,36 +71,6 @@ class EagleConfig:
         )
 
 
-class HeadKVCache:
-    """Keys and values of the head's one layer for one sequence; ``crop`` is the only rollback."""
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None  # [kv_heads, capacity, head_dim]
-        self.values: torch.Tensor | None = None
-        self.length = 0
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new keys/values # [kv_heads, n, head_dim]; return all of them up to the new end."""
-        end = self.length + keys.shape[1]
-        if self.keys is None or end > self.keys.shape[1]:
-            capacity = max(end, 2 * (0 if self.keys is None else self.keys.shape[1]), 256)
-            grown_k = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
-            grown_v = values.new_empty(grown_k.shape)
-            if self.keys is not None:
-                grown_k[:, : self.length] = self.keys[:, : self.length]
-                grown_v[:, : self.length] = self.values[:, : self.length]
-            self.keys, self.values = grown_k, grown_v
-        self.keys[:, self.length : end] = keys
-        self.values[:, self.length : end] = values
-        self.length = end
-        return self.keys[:, :end], self.values[:, :end]
-
-    def crop(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"crop length must be in [0, {self.length}], got {length}")
-        self.length = length
-
-
 class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
@@ -137,7 +108,7 @@ class EagleHead(nn.Module):
         features: torch.Tensor,  # [batch, n, hidden]: f_i (real, or the head's own earlier prediction)
         next_embeds: torch.Tensor,  # [batch, n, hidden]: embed(x_{i+1})
         start: int = 0,  # position of the first row (training: 0; drafting: the cache length)
-        cache: HeadKVCache | None = None,  # batch 1 only; None: causal attention within the n rows
+        cache: LayerKVCache | None = None,  # batch 1 only; None: causal attention within the n rows
         far_memory: FarMemoryConfig | None = None,  # cached path only; None or mode "full": as trained
     ) -> torch.Tensor:
         """Predicted next features # [batch, n, hidden].
@@ -152,7 +123,7 @@ class EagleHead(nn.Module):
             raise ValueError(f"a cached head step takes batch 1 at position {cache.length}, got batch {batch} at {start}")
         if far_memory is not None and far_memory.changes_attention:
             if cache is None:
-                raise ValueError("far-memory attention runs on the cached (drafting) path: pass a HeadKVCache")
+                raise ValueError("far-memory attention runs on the cached (drafting) path: pass a LayerKVCache")
             keys, values = cache.append(key[0], value[0])  # unrotated: a key's position depends on the query row
             context = far_memory_attention(query[0], keys, values, start, self.inv_freq, far_memory)[None]
             return self._finish(hidden, context)

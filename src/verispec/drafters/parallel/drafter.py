@@ -29,10 +29,10 @@ import torch
 
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
-from verispec.drafters.eagle.head import HeadKVCache
 from verispec.drafters.parallel.checkpoint import load_parallel_head
 from verispec.drafters.parallel.head import ParallelHead, cached
 from verispec.drafters.parallel.lattice import best_path
+from verispec.engine.kv_cache import LayerKVCache
 from verispec.sampling import SamplingParams
 
 
@@ -85,7 +85,7 @@ class ParallelDrafter:
 class ParallelSession:
     def __init__(self, drafter: ParallelDrafter) -> None:
         self.drafter = drafter
-        self.caches = [HeadKVCache() for _ in drafter.head.layers]
+        self.caches = [LayerKVCache() for _ in drafter.head.layers]
         self.num_real = 0  # context positions encoded (0 .. num_real-1), all with real target features
         self.anchor: torch.Tensor | None = None  # [1, hidden]: output h of the last encoded position
 
@@ -147,5 +147,5 @@ class ParallelSession:
         return 1
 
     def close(self) -> None:
-        self.caches = [HeadKVCache() for _ in self.drafter.head.layers]
+        self.caches = [LayerKVCache() for _ in self.drafter.head.layers]
         self.num_real, self.anchor = 0, None

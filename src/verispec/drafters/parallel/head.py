@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.eagle.head import EagleConfig, EagleHead, HeadKVCache
+from verispec.drafters.eagle.head import EagleConfig, EagleHead
 from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+from verispec.engine.kv_cache import LayerKVCache
 
 KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys, values # [batch or 1, kv_heads, n, head_dim]
 
@@ -166,7 +167,7 @@ class ParallelHead(nn.Module):
         features: torch.Tensor,  # [batch, n, hidden]: f_i
         next_embeds: torch.Tensor,  # [batch, n, hidden]: embed(x_{i+1})
         start: int = 0,  # position of the first row
-        caches: list[HeadKVCache] | None = None,  # one per layer, batch 1; None: the n rows alone
+        caches: list[LayerKVCache] | None = None,  # one per layer, batch 1; None: the n rows alone
     ) -> tuple[list[KeysValues], torch.Tensor]:
         """(keys/values of every context position so far, per layer # [batch, kv_heads, start+n, head_dim];
         the n rows' outputs h_i before the final norm # [batch, n, hidden])."""
@@ -213,6 +214,6 @@ class ParallelHead(nn.Module):
         return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
 
-def cached(cache: HeadKVCache) -> KeysValues:
+def cached(cache: LayerKVCache) -> KeysValues:
     """The keys/values a cache holds # [1, kv_heads, length, head_dim]."""
     return cache.keys[None, :, : cache.length], cache.values[None, :, : cache.length]

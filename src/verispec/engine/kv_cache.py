@@ -1,0 +1,40 @@
+"""One attention layer's KV cache for one sequence, preallocated and grown by doubling.
+
+Our own attention code (the EAGLE and parallel heads, the lean forward of a draft model) appends
+keys/values into a buffer in place instead of concatenating a new tensor every step, and rolls
+back by moving an end pointer: a crop costs nothing and frees nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerKVCache:
+    """Keys and values of one attention layer for one sequence; ``crop`` is the only rollback."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None  # [kv_heads, capacity, head_dim]
+        self.values: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values # [kv_heads, n, head_dim]; return all of them up to the new end."""
+        end = self.length + keys.shape[1]
+        if self.keys is None or end > self.keys.shape[1]:
+            capacity = max(end, 2 * (0 if self.keys is None else self.keys.shape[1]), 256)
+            grown_k = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
+            grown_v = values.new_empty(grown_k.shape)
+            if self.keys is not None:
+                grown_k[:, : self.length] = self.keys[:, : self.length]
+                grown_v[:, : self.length] = self.values[:, : self.length]
+            self.keys, self.values = grown_k, grown_v
+        self.keys[:, self.length : end] = keys
+        self.values[:, self.length : end] = values
+        self.length = end
+        return self.keys[:, :end], self.values[:, :end]
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length must be in [0, {self.length}], got {length}")
+        self.length = length

@@ -1,0 +1,119 @@
+"""The lean forward (our own decoder loop over the model's modules) against the model's transformers forward."""
+
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import noisy_copy, tiny_target
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from verispec.drafters import DraftModel
+from verispec.engine import SpeculativeDecoder
+from verispec.engine.cached_lm import CachedLM
+from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_unsupported_reason
+from verispec.models import quantize_int8
+from verispec.models.quantize import stacked_linear
+from verispec.sampling import SamplingParams
+
+# torch.ao quantisation is deprecated in the pinned torch (still supported): keep its warnings out of the report.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def tiny_llama(**overrides) -> LlamaForCausalLM:  # noqa: ANN003 - config fields
+    torch.manual_seed(2)
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=512, rope_theta=500.0)
+    config = LlamaConfig(**{**fields, **overrides})
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def replay(lm: CachedLM) -> list[torch.Tensor]:
+    """Logits of a fixed sequence of extends and rollbacks: prefill, single steps, a block, crops."""
+    out = [lm.extend(list(range(3, 14)), num_logits=3).logits]
+    out.append(lm.extend([20], num_logits=1).logits)
+    out.append(lm.extend([21, 22, 23, 24], num_logits=4).logits)
+    lm.crop(len(lm) - 3)  # drop three "rejected drafts"
+    out.append(lm.extend([30, 31], num_logits=2).logits)
+    pending = lm.sync(lm.token_ids[:9] + [40, 41])  # rollback to a common prefix, as a draft session does
+    out.append(lm.extend(pending, num_logits=len(pending)).logits)
+    lm.release()
+    out.append(lm.extend([5, 6, 7], num_logits=3).logits)  # usable again after release
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_lean_forward_matches_the_models_own_through_extends_and_rollbacks(family, int8):
+    model = tiny_target() if family == "qwen2" else tiny_llama()
+    model = quantize_int8(model) if int8 else model
+    expected = replay(CachedLM(model))
+    got = replay(LeanLM(model, LeanDecoder(model)))
+    for step, (want, have) in enumerate(zip(expected, got)):
+        assert have.shape == want.shape
+        torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+def test_stacked_linear_equals_the_separate_layers():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, n, bias=bias) for n, bias in ((8, True), (4, False), (4, True))]
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(stacked_linear(layers)(x), torch.cat([layer(x) for layer in layers], -1))
+        # int8: per-row and per-tensor source scales both kept exactly (same int8 rows, same scales).
+        per_row = [quantize_int8(torch.nn.Sequential(copy.deepcopy(layer)))[0] for layer in layers]
+        per_tensor = [torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(copy.deepcopy(layer)), {torch.nn.Linear}, dtype=torch.qint8)[0] for layer in layers]
+        for quantized in (per_row, per_tensor):
+            stacked = stacked_linear(quantized)
+            assert torch.equal(stacked.weight().int_repr(), torch.cat([q.weight().int_repr() for q in quantized]))
+            torch.testing.assert_close(stacked(x), torch.cat([q(x) for q in quantized], -1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="mix int8 and float"):
+        stacked_linear([per_row[0], layers[1]])
+    with pytest.raises(ValueError, match="same input width"):
+        stacked_linear([layers[0], torch.nn.Linear(8, 4)])
+
+
+def test_draft_model_uses_the_lean_forward_and_decoding_stays_exact():
+    target = tiny_target()
+    draft = quantize_int8(noisy_copy(target, noise=0.1))
+    lean, framework = DraftModel(draft), DraftModel(draft, lean=False)
+    assert lean.lean_decoder is not None and framework.lean_decoder is None
+    assert DraftModel(draft).lean_decoder is lean.lean_decoder  # stacked weights built once per model
+    prompt = [6, 1, 7, 3]
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=4)):
+        results = [SpeculativeDecoder(target, drafter, gamma=4).generate(prompt, 40, sampling, stop=[]) for drafter in (lean, framework)]
+        # Same drafts (the lean forward computes what the model does), so the same rounds and output.
+        assert results[0].token_ids == results[1].token_ids
+        assert results[0].stats.num_accepted == results[1].stats.num_accepted > 0
+    plain = SpeculativeDecoder(target).generate(prompt, 40, stop=[]).token_ids
+    assert SpeculativeDecoder(target, lean, gamma=4).generate(prompt, 40, stop=[]).token_ids == plain
+
+
+def test_models_the_lean_forward_cannot_run_fall_back_or_are_refused_by_name():
+    scaled = tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})
+    assert "rope type 'linear'" in lean_unsupported_reason(scaled)
+    torch.manual_seed(0)
+    sliding = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=8)).eval()
+    assert "sliding-window" in lean_unsupported_reason(sliding)
+    bf16 = tiny_target().to(torch.bfloat16)
+    assert "dtype torch.bfloat16" in lean_unsupported_reason(bf16)
+    assert lean_unsupported_reason(tiny_target()) is None
+    assert DraftModel(scaled).lean_decoder is None  # default: the model's own forward
+    with pytest.raises(ValueError, match="rope type 'linear'"):
+        DraftModel(scaled, lean=True)
+    with pytest.raises(ValueError, match="lean must be"):
+        DraftModel(tiny_target(), lean="yes")
+
+
+def test_shared_decoder_is_rebuilt_after_the_model_is_quantised_in_place():
+    model = noisy_copy(tiny_target(), noise=0.1)
+    before = LeanDecoder.shared(model)
+    assert LeanDecoder.shared(model) is before
+    quantize_int8(model)
+    after = LeanDecoder.shared(model)
+    assert after is not before and after.layers[0].o_proj is model.model.layers[0].self_attn.o_proj
