@@ -1,4 +1,4 @@
-"""Rotary position embeddings (half-split convention, as Llama/Qwen2): the one copy our heads use.
+"""Rotary position embeddings (half-split convention, as Llama/Qwen2): the one copy our heads and the lean draft forward use.
 
 A position p rotates each pair (x_j, x_{j+d/2}) by the angle p·inv_freq_j. Rotations compose,
 R(a)R(b) = R(a+b), and the score between a query at t and a key at s depends only on t - s:

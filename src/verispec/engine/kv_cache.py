@@ -38,3 +38,11 @@ class LayerKVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"crop length must be in [0, {self.length}], got {length}")
         self.length = length
+
+
+def causal_mask_after(cached: int, num_new: int, device: torch.device | None = None) -> torch.Tensor | None:
+    """Which keys each of ``num_new`` rows appended after ``cached`` positions attends to # [num_new, cached+num_new]
+    bool: every cached position and the new ones up to itself. None for a single row (it sees all)."""
+    if num_new == 1:
+        return None
+    return torch.ones(num_new, cached + num_new, dtype=torch.bool, device=device).tril(cached)

@@ -27,7 +27,7 @@ from torch import nn
 
 from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.cached_lm import CachedLM
-from verispec.engine.kv_cache import LayerKVCache
+from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
 from verispec.models.quantize import is_quantized, stacked_linear
 
 _FAMILIES = ("llama", "qwen2", "mistral")
@@ -123,8 +123,7 @@ class LeanDecoder:
         num_new, start = len(input_ids), caches[0].length
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = rotary_cos_sin(torch.arange(start, start + num_new, dtype=torch.float32), self.inv_freq)  # [n, head_dim]
-        # Row r sees every cached position and the new ones up to itself; one row needs no mask.
-        mask = None if num_new == 1 else torch.ones(num_new, start + num_new, dtype=torch.bool).tril(start)
+        mask = causal_mask_after(start, num_new)
         shape = (self.hidden_size,)
         hidden = self.embed(input_ids)  # [n, hidden]
         for layer, cache in zip(self.layers, caches):

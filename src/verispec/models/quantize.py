@@ -55,12 +55,12 @@ def stacked_linear(linears: list[nn.Module]) -> nn.Module:
     scales (a per-tensor scale is repeated for each of its rows), so the stacked layer's output
     equals the separate ones': re-quantising dequantised weights would move the scales.
     """
-    if not linears or len({float_weight(linear).shape[1] for linear in linears}) != 1:
+    if not linears or len({linear.in_features for linear in linears}) != 1:
         raise ValueError("stacked_linear needs one or more linear layers of the same input width")
     biases = [linear.bias() if is_quantized(linear) else linear.bias for linear in linears]
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b.detach().float() if b is not None else torch.zeros(float_weight(linear).shape[0]) for b, linear in zip(biases, linears)])
+        bias = torch.cat([b.detach().float() if b is not None else torch.zeros(linear.out_features) for b, linear in zip(biases, linears)])
     if not any(is_quantized(linear) for linear in linears):
         weight = torch.cat([linear.weight.detach() for linear in linears])
         stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)

@@ -24,7 +24,7 @@ from torch import nn
 
 from verispec.drafters.far_memory import FarMemoryConfig, far_memory_attention
 from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
-from verispec.engine.kv_cache import LayerKVCache
+from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,7 @@ class EagleHead(nn.Module):
             context = F.scaled_dot_product_attention(query, key, value, is_causal=num_new > 1, enable_gqa=True)
         else:
             keys, values = cache.append(key[0], value[0])  # [kv_heads, start+n, head_dim]
-            # Row r sees every cached position and the new ones up to itself.
-            mask = None if num_new == 1 else torch.ones(num_new, start + num_new, dtype=torch.bool, device=features.device).tril(start)
+            mask = causal_mask_after(start, num_new, features.device)
             context = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, context)
 
