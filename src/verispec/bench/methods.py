@@ -210,7 +210,9 @@ def build_method(
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
         drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, name=name)
     elif name.startswith("ngram+"):
-        drafter = CombinedDrafter(NgramDrafter(), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean))
+        # Lookup claims a round only on a 2+ token match, and then drafts all it can: on a weaker
+        # match the draft model does better than a short, capped lookup proposal.
+        drafter = CombinedDrafter(NgramDrafter(min_ngram=2, match_drafts=()), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean))
     else:
         drafter = NgramDrafter()
     return OursMethod(name, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))
