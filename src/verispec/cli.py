@@ -425,8 +425,8 @@ def _costs(args: argparse.Namespace) -> int:
 
     from verispec.bench.costs import format_costs, forward_costs
     from verispec.models import load_model, quantize_int8
-    from verispec.models.packed_linear import onednn_packing_available, pack_linears
     from verispec.models.gqa_attention import use_gqa_attention
+    from verispec.models.packed_linear import onednn_packing_available, pack_linears
 
     counts = _int_list(args.tokens, "--tokens")
     if not counts or min(counts) < 1 or args.context < 1 or args.repeats < 1:
