@@ -16,6 +16,7 @@ from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, EagleHeadMismatchError, load_head, save_head, target_fingerprint
 from verispec.drafters.eagle.corpus import Document, humaneval_entry_points, stdlib_documents
 from verispec.drafters.eagle.extract import ExtractSettings, extract_features, load_shards
+from verispec.drafters.far_memory import FarMemoryConfig
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.eagle.train import TrainSettings, train_head
 from verispec.models import LoadedModel
@@ -67,6 +68,30 @@ def test_cached_steps_match_one_causal_pass_and_crop_rolls_back(target):
     torch.testing.assert_close(again, full[:, 6:8], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="position"):
         head(features[:, :1], embeds[:, :1], start=3, cache=cache)
+
+
+@pytest.mark.parametrize("mode", ["full", "local", "fold"])
+def test_last_only_catch_up_predicts_the_last_row_and_caches_every_row(target, mode):
+    # The drafter's catch-up over a prompt skips every row's query/attention/MLP but the last:
+    # the prediction and the cache it leaves must be what the full pass gives.
+    head = fresh_head(target)
+    hidden = target.config.hidden_size
+    far_memory = FarMemoryConfig(mode, local_window=3, memory_temperature=0.5, memory_weight=2.0)
+    features, embeds = torch.randn(1, 11, hidden), torch.randn(1, 11, hidden)
+    full_cache, lean_cache = LayerKVCache(), LayerKVCache()
+    for cache, last_only in ((full_cache, False), (lean_cache, True)):
+        head(features[:, :2], embeds[:, :2], start=0, cache=cache, far_memory=far_memory)  # an earlier catch-up
+    full = head(features[:, 2:9], embeds[:, 2:9], start=2, cache=full_cache, far_memory=far_memory)
+    lean = head(features[:, 2:9], embeds[:, 2:9], start=2, cache=lean_cache, far_memory=far_memory, last_only=True)
+    assert lean.shape == (1, 1, hidden)
+    torch.testing.assert_close(lean, full[:, -1:], atol=1e-5, rtol=1e-5)
+    assert lean_cache.length == full_cache.length == 9
+    torch.testing.assert_close(lean_cache.keys[:, :9], full_cache.keys[:, :9])
+    torch.testing.assert_close(lean_cache.values[:, :9], full_cache.values[:, :9])
+    step = [head(features[:, 9:10], embeds[:, 9:10], start=9, cache=cache, far_memory=far_memory) for cache in (full_cache, lean_cache)]
+    torch.testing.assert_close(step[1], step[0], atol=1e-5, rtol=1e-5)  # the next draft step reads the same cache
+    with pytest.raises(ValueError, match="last_only"):
+        head(features, embeds, last_only=True)
 
 
 def test_unrolled_steps_are_what_cached_drafting_computes(target):

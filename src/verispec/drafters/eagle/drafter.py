@@ -115,9 +115,9 @@ class EagleSession:
             return 0
         fresh, next_tokens = rows
         embeds = self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden]
-        predicted = self.drafter.head(fresh[None].float(), embeds, start=self.num_real, cache=self.cache, far_memory=self.drafter.far_memory)[0]
+        predicted = self.drafter.head(fresh[None].float(), embeds, start=self.num_real, cache=self.cache, far_memory=self.drafter.far_memory, last_only=True)
         self.num_real += len(fresh)
-        self.next_feature = predicted[-1]
+        self.next_feature = predicted[0, -1]
         return 1
 
     def close(self) -> None:

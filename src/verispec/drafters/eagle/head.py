@@ -110,30 +110,38 @@ class EagleHead(nn.Module):
         start: int = 0,  # position of the first row (training: 0; drafting: the cache length)
         cache: LayerKVCache | None = None,  # batch 1 only; None: causal attention within the n rows
         far_memory: FarMemoryConfig | None = None,  # cached path only; None or mode "full": as trained
+        last_only: bool = False,  # cached path only: cache every row's key/value, predict for the last row only
     ) -> torch.Tensor:
-        """Predicted next features # [batch, n, hidden].
+        """Predicted next features # [batch, n, hidden] (# [1, 1, hidden] with ``last_only``).
 
         With ``far_memory`` (mode "local" or "fold") the cache holds UNrotated keys, rotated per
         (row, key) at attention time (see :mod:`verispec.drafters.far_memory`); a cache must be
         used with one setting for its whole life.
+
+        ``last_only`` is the catch-up over a prompt: a one-layer head needs only the keys and
+        values of the earlier rows, so their query, attention and MLP (~90% of a row's cost) are skipped.
         """
         batch, num_new, _ = features.shape
-        hidden, query, key, value = self._inputs(features, next_embeds)
         if cache is not None and (batch != 1 or start != cache.length):
             raise ValueError(f"a cached head step takes batch 1 at position {cache.length}, got batch {batch} at {start}")
+        if last_only and cache is None:
+            raise ValueError("last_only runs on the cached (drafting) path: pass a LayerKVCache")
+        hidden, normed, key, value = self._inputs(features, next_embeds)
+        first_row = num_new - 1 if last_only else 0  # rows first_row .. num_new-1 get a prediction
+        hidden, query = hidden[:, first_row:], self._query(normed[:, first_row:])
         if far_memory is not None and far_memory.changes_attention:
             if cache is None:
                 raise ValueError("far-memory attention runs on the cached (drafting) path: pass a LayerKVCache")
             keys, values = cache.append(key[0], value[0])  # unrotated: a key's position depends on the query row
-            context = far_memory_attention(query[0], keys, values, start, self.inv_freq, far_memory)[None]
+            context = far_memory_attention(query[0], keys, values, start + first_row, self.inv_freq, far_memory)[None]
             return self._finish(hidden, context)
-        cos, sin = self._rope(start, start + num_new, features.device)
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        key = apply_rotary(key, *self._rope(start, start + num_new, features.device))
+        query = apply_rotary(query, *self._rope(start + first_row, start + num_new, features.device))
         if cache is None:
             context = F.scaled_dot_product_attention(query, key, value, is_causal=num_new > 1, enable_gqa=True)
         else:
             keys, values = cache.append(key[0], value[0])  # [kv_heads, start+n, head_dim]
-            mask = causal_mask_after(start, num_new, features.device)
+            mask = causal_mask_after(start + first_row, num_new - first_row, features.device)
             context = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, context)
 
@@ -162,7 +170,8 @@ class EagleHead(nn.Module):
         outputs: list[torch.Tensor] = []
         inputs = features
         for step in range(steps):
-            hidden, query, key, value = self._inputs(inputs, next_embeds)
+            hidden, normed, key, value = self._inputs(inputs, next_embeds)
+            query = self._query(normed)
             keys.append(apply_rotary(key, cos, sin))
             values.append(value)
             mask = unrolled_mask(num_rows, step, features.device)  # [n, (step+1)·n]
@@ -172,16 +181,20 @@ class EagleHead(nn.Module):
         return outputs
 
     def _inputs(self, features: torch.Tensor, next_embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(hidden # [batch, n, hidden], unrotated query # [batch, heads, n, head_dim], key and value
+        """(hidden and its normed form # [batch, n, hidden], unrotated key and value
         # [batch, kv_heads, n, head_dim]) of rows reading features and next_embeds # [batch, n, hidden]."""
         batch, num_new, _ = features.shape
         config = self.config
         hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
         normed = self.input_norm(hidden)
-        query = self.q_proj(normed).view(batch, num_new, config.num_heads, config.head_dim).transpose(1, 2)
         key = self.k_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
         value = self.v_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
-        return hidden, query, key, value
+        return hidden, normed, key, value
+
+    def _query(self, normed: torch.Tensor) -> torch.Tensor:
+        """Unrotated query # [batch, heads, n, head_dim] of normed rows # [batch, n, hidden]."""
+        batch, num_new, _ = normed.shape
+        return self.q_proj(normed).view(batch, num_new, self.config.num_heads, self.config.head_dim).transpose(1, 2)
 
     def _finish(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Output projection, MLP and final norm. hidden: # [batch, n, hidden]; context: # [batch, heads, n, head_dim]"""
