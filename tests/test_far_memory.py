@@ -10,7 +10,7 @@ from verispec import SpeculativeDecoder
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.far_memory import FarMemoryConfig, assigned_key_positions, far_memory_attention
-from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+from verispec.models.rotary import apply_rotary, rotary_cos_sin
 
 HEAD_DIM = 8
 INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))

@@ -64,7 +64,8 @@ def format_costs(rows: dict[str, list[ForwardCost]]) -> str:
 def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repeats: int = 5) -> list[ForwardCost]:  # noqa: ANN001 - an EagleDrafter
     """Median seconds of one EAGLE head call over ``n`` positions plus the draft logits of the last one.
 
-    n = 1 is one draft step; larger n is the catch-up call after a round accepted n - 1 drafts.
+    n = 1 is one draft step; larger n is the catch-up call after a round accepted n - 1 drafts
+    (as the drafter makes it: keys/values of every position, a prediction for the last only).
     Features are random: the cost does not depend on their values.
     """
     import torch
@@ -78,14 +79,14 @@ def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repea
     cache = LayerKVCache()
     costs = []
     with torch.inference_mode():
-        head(torch.randn(1, context_tokens, hidden, generator=generator), torch.randn(1, context_tokens, hidden, generator=generator), 0, cache)
+        head(torch.randn(1, context_tokens, hidden, generator=generator), torch.randn(1, context_tokens, hidden, generator=generator), 0, cache, last_only=True)
         for count in new_token_counts:
             features = torch.randn(1, count, hidden, generator=generator)
             ids = torch.arange(count)[None] % drafter.vocab_size
             times = []
             for _ in range(repeats + 1):  # the first is a warm-up
                 started = time.perf_counter()
-                predicted = head(features, drafter.embed(ids).float(), context_tokens, cache)
+                predicted = head(features, drafter.embed(ids).float(), context_tokens, cache, last_only=True)
                 drafter.draft_logits(predicted[0, -1:]).argmax()
                 times.append(time.perf_counter() - started)
                 cache.crop(context_tokens)

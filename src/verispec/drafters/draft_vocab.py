@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from verispec.modelref import unwrap_model
-from verispec.models.quantize import float_weight, is_quantized, quantize_int8
+from verispec.models.quantize import float_weight, quantize_int8
 
 
 def resolve_head(

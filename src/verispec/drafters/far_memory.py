@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+from verispec.models.rotary import apply_rotary, rotary_cos_sin
 
 ATTENTION_MODES = ("full", "local", "fold")
 # Logit elements computed at once in the blocked attention: bounds memory on long catch-ups (~64 MB).

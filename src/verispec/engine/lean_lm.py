@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
 from verispec.models.quantize import is_quantized, stacked_linear

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.far_memory import FarMemoryConfig, far_memory_attention
-from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.eagle.head import EagleConfig, EagleHead
-from verispec.drafters.rotary import apply_rotary, rotary_cos_sin
+from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache
 
 KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys, values # [batch or 1, kv_heads, n, head_dim]
