@@ -80,7 +80,7 @@ def test_last_only_catch_up_predicts_the_last_row_and_caches_every_row(target, m
     features, embeds = torch.randn(1, 11, hidden), torch.randn(1, 11, hidden)
     full_cache, lean_cache = LayerKVCache(), LayerKVCache()
     for cache, last_only in ((full_cache, False), (lean_cache, True)):
-        head(features[:, :2], embeds[:, :2], start=0, cache=cache, far_memory=far_memory)  # an earlier catch-up
+        head(features[:, :2], embeds[:, :2], start=0, cache=cache, far_memory=far_memory, last_only=last_only)  # an earlier catch-up
     full = head(features[:, 2:9], embeds[:, 2:9], start=2, cache=full_cache, far_memory=far_memory)
     lean = head(features[:, 2:9], embeds[:, 2:9], start=2, cache=lean_cache, far_memory=far_memory, last_only=True)
     assert lean.shape == (1, 1, hidden)
