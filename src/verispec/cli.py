@@ -35,7 +35,7 @@ def _add_sampling_options(sub: argparse.ArgumentParser) -> None:
 
 def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
-    sub.add_argument("--target-kernels", choices=["packed", "dense"], default="packed", help="packed (default): oneDNN-packed weights for verification passes of 4+ tokens, which cost ~2x a plain step with the dense kernels on CPU (uses a second copy of the target's weights), and attention reading the cache's shared key/value heads in place; dense: PyTorch's and transformers' defaults only")
+    sub.add_argument("--target-kernels", choices=["packed", "dense"], default="packed", help="packed (default): oneDNN-packed weights for passes over 4+ tokens (verification), which cost ~2x a plain step with the dense kernels on CPU, and for 1-3 tokens too where a timing at load shows them faster on this CPU (uses a second copy of the target's weights); plus attention reading the cache's shared key/value heads in place. dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     sub.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft model: draft over the first N token ids plus the special ones only (byte-level BPE numbers tokens by merge order, roughly by frequency), so a draft step multiplies by N LM-head rows instead of all; 0 = the full vocabulary (default). Exact either way")
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE or parallel head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
@@ -426,7 +426,7 @@ def _costs(args: argparse.Namespace) -> int:
     from verispec.bench.costs import format_costs, forward_costs
     from verispec.models import load_model, quantize_int8
     from verispec.models.gqa_attention import use_gqa_attention
-    from verispec.models.packed_linear import onednn_packing_available, pack_linears
+    from verispec.models.packed_linear import PackedLinear, onednn_packing_available, pack_linears
 
     counts = _int_list(args.tokens, "--tokens")
     if not counts or min(counts) < 1 or args.context < 1 or args.repeats < 1:
@@ -446,7 +446,9 @@ def _costs(args: argparse.Namespace) -> int:
     target = load_model(args.target, cache_dir=args.cache_dir)
     rows["target dense"] = forward_costs(target.model, args.context, counts, args.repeats)
     if onednn_packing_available() and target.model.dtype == torch.float32:
-        rows["target packed"] = forward_costs(use_gqa_attention(pack_linears(target.model)), args.context, counts, args.repeats)
+        packed = use_gqa_attention(pack_linears(target.model))
+        from_rows = next(module.min_packed_rows for module in packed.modules() if isinstance(module, PackedLinear))
+        rows[f"target packed (from {from_rows} rows)"] = forward_costs(packed, args.context, counts, args.repeats)
     if head_path is not None:
         from verispec.bench.costs import eagle_costs
         from verispec.drafters.eagle import EagleDrafter

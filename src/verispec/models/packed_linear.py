@@ -1,15 +1,22 @@
-"""Faster verification passes on CPU: oneDNN-packed weights for few-row matrix products.
+"""Faster decoding and verification passes on CPU: oneDNN-packed weights for few-row matrix products.
 
-Measured here (Xeon, 2 threads, fp32): PyTorch's default MKL path multiplies a weight by 1-3 rows
-at memory speed but by 4-12 rows at about half that speed, so a verification pass over gamma+1 = 5
-tokens costs twice a plain decoding step. oneDNN with weights reordered once into its blocked
-layout keeps 4-16 rows close to the cost of one row. Plain steps (1-3 rows) keep the dense MKL
-path, which is fastest there, so plain decoding is not slowed down; the price is a second copy of
-each weight. A module swap on the model instance, like torch's own quantisation does: no
-transformers class is modified.
+Which kernel is fastest for a few rows depends on the CPU. On a 2-core Xeon (2026-11-29) PyTorch's
+default MKL path multiplied a weight by 1-3 rows at memory speed but by 4-12 rows at about half
+that speed, so a verification pass over gamma+1 = 5 tokens cost twice a plain step; oneDNN with
+weights reordered once into its blocked layout kept 4-16 rows close to one row. On a 2-core AMD
+EPYC (2026-11-30; MKL does not take its fast paths on AMD) MKL is slow from one row on: the
+Qwen2.5-1.5B MLP weight [8960, 1536] takes 2.5 / 5.6 / 7.3 ms for 1 / 2 / 3 rows against 1.7 /
+1.7 / 2.0 ms packed, and a whole 1-token step of that model 339 ms dense against 244 ms packed.
+So the row count from which the packed copy is used is measured once per model
+(:func:`fastest_min_packed_rows`) instead of fixed. The price is a second copy of each weight.
+A module swap on the model instance, like torch's own quantisation does: no transformers class
+is modified.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import torch
 from torch import nn
@@ -17,6 +24,18 @@ from torch import nn
 
 def onednn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+# From this row count on the packed kernel won on both CPUs; below it, it is measured.
+_ALWAYS_PACKED_FROM = 4
+# oneDNN's batch-size hint for the packed layout (any row count runs with any layout). Whole 1.5B
+# steps on the AMD machine, hint 1 / 4 / 8: 1 row 286-295 / 249-259 / 226-253 ms, 7 rows 564-566 /
+# 393-458 / 382-388 ms. 8 ~ gamma+1 of a typical verification pass.
+_LAYOUT_ROWS = 8
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _LAYOUT_ROWS)
 
 
 class PackedLinear(nn.Module):
@@ -29,8 +48,7 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight  # [out, in], shared, still what state_dict() and the dense path see
         self.bias = linear.bias
         with torch.no_grad():
-            # The batch-size hint only tunes the packed layout; any row count works with it.
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), min_packed_rows)
+            self.packed_weight = _pack(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
         rows = x.numel() // self.in_features
@@ -44,14 +62,72 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for >= {self.min_packed_rows} rows"
 
 
-def pack_linears(model: nn.Module, min_packed_rows: int = 4) -> nn.Module:
-    """Replace every float32 ``nn.Linear`` in ``model`` by :class:`PackedLinear` (in place)."""
-    if min_packed_rows < 1:
+def choose_min_packed_rows(dense_s: dict[int, float], packed_s: dict[int, float]) -> int:
+    """The smallest row count r such that the packed kernel was no slower than the dense one for
+    every measured row count >= r, never above ``_ALWAYS_PACKED_FROM`` (the value if packed lost at
+    the largest measured count).
+
+    ``dense_s`` / ``packed_s``: seconds per product by row count (the same row counts in both).
+    """
+    if sorted(dense_s) != sorted(packed_s) or not dense_s:
+        raise ValueError("dense_s and packed_s must time the same, non-empty set of row counts")
+    chosen = _ALWAYS_PACKED_FROM
+    for rows in sorted(dense_s, reverse=True):
+        if packed_s[rows] > dense_s[rows]:
+            break
+        chosen = rows
+    return min(chosen, _ALWAYS_PACKED_FROM)
+
+
+def fastest_min_packed_rows(linear: nn.Linear, repeats: int = 5) -> int:
+    """Time ``linear`` dense and packed for 1.._ALWAYS_PACKED_FROM-1 rows on this machine (medians of
+    ``repeats``, the two kernels interleaved so machine noise hits both) and choose the threshold.
+
+    Pass the model's largest body weight: one that does not fit in the CPU's caches, as in a real pass.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    weight = linear.weight.detach()
+    packed_weight = _pack(weight)
+    kernels = {
+        "dense": lambda x: nn.functional.linear(x, weight),
+        "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], ""),
+    }
+    times: dict[str, dict[int, list[float]]] = {name: {} for name in kernels}
+    with torch.inference_mode():
+        for rows in range(1, _ALWAYS_PACKED_FROM):
+            x = torch.randn(rows, weight.shape[1])
+            for name, kernel in kernels.items():
+                kernel(x)  # warm-up: first-call allocations and kernel selection
+            for _ in range(repeats):
+                for name, kernel in kernels.items():
+                    started = time.perf_counter()
+                    kernel(x)
+                    times[name].setdefault(rows, []).append(time.perf_counter() - started)
+    dense_s, packed_s = ({rows: statistics.median(ts) for rows, ts in times[name].items()} for name in kernels)
+    return choose_min_packed_rows(dense_s, packed_s)
+
+
+def pack_linears(model: nn.Module, min_packed_rows: int | None = None) -> nn.Module:
+    """Replace every float32 ``nn.Linear`` in ``model`` by :class:`PackedLinear` (in place).
+
+    ``min_packed_rows``: from how many rows on the packed copy is used; None (default) measures it
+    on this machine with the model's largest linear other than its output layer.
+    """
+    if min_packed_rows is not None and min_packed_rows < 1:
         raise ValueError(f"min_packed_rows must be >= 1, got {min_packed_rows}")
     if not onednn_packing_available():
         raise RuntimeError("this PyTorch build has no oneDNN (mkldnn) linear kernels")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child, min_packed_rows))
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype == torch.float32
+    ]
+    if min_packed_rows is None and swaps:
+        output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        body = [child for _, _, child in swaps if child is not output_layer] or [child for _, _, child in swaps]
+        min_packed_rows = fastest_min_packed_rows(max(body, key=lambda linear: linear.weight.numel()))
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child, min_packed_rows))
     return model
