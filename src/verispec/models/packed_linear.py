@@ -6,7 +6,8 @@ that speed, so a verification pass over gamma+1 = 5 tokens cost twice a plain st
 weights reordered once into its blocked layout kept 4-16 rows close to one row. On a 2-core AMD
 EPYC (2026-11-30; MKL does not take its fast paths on AMD) MKL is slow from one row on: the
 Qwen2.5-1.5B MLP weight [8960, 1536] takes 2.5 / 5.6 / 7.3 ms for 1 / 2 / 3 rows against 1.7 /
-1.7 / 2.0 ms packed, and a whole 1-token step of that model 339 ms dense against 244 ms packed.
+1.7 / 2.0 ms packed, and a whole 1-token step of that model 337 ms dense against 273 ms packed
+(`verispec costs --threads 2`).
 So the row count from which the packed copy is used is measured once per model
 (:func:`fastest_min_packed_rows`) instead of fixed. The price is a second copy of each weight.
 A module swap on the model instance, like torch's own quantisation does: no transformers class
@@ -29,13 +30,9 @@ def onednn_packing_available() -> bool:
 # From this row count on the packed kernel won on both CPUs; below it, it is measured.
 _ALWAYS_PACKED_FROM = 4
 # oneDNN's batch-size hint for the packed layout (any row count runs with any layout). Whole 1.5B
-# steps on the AMD machine, hint 1 / 4 / 8: 1 row 286-295 / 249-259 / 226-253 ms, 7 rows 564-566 /
+# steps on the AMD machine (one-off timing, two runs), hint 1 / 4 / 8: 1 row 286-295 / 249-259 / 226-253 ms, 7 rows 564-566 /
 # 393-458 / 382-388 ms. 8 ~ gamma+1 of a typical verification pass.
 _LAYOUT_ROWS = 8
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _LAYOUT_ROWS)
 
 
 class PackedLinear(nn.Module):
@@ -48,7 +45,7 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight  # [out, in], shared, still what state_dict() and the dense path see
         self.bias = linear.bias
         with torch.no_grad():
-            self.packed_weight = _pack(self.weight.detach())
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _LAYOUT_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
         rows = x.numel() // self.in_features
@@ -87,17 +84,12 @@ def fastest_min_packed_rows(linear: nn.Linear, repeats: int = 5) -> int:
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    weight = linear.weight.detach()
-    packed_weight = _pack(weight)
-    kernels = {
-        "dense": lambda x: nn.functional.linear(x, weight),
-        "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], ""),
-    }
+    kernels = {"dense": lambda x: nn.functional.linear(x, linear.weight, linear.bias), "packed": PackedLinear(linear, min_packed_rows=1)}
     times: dict[str, dict[int, list[float]]] = {name: {} for name in kernels}
     with torch.inference_mode():
         for rows in range(1, _ALWAYS_PACKED_FROM):
-            x = torch.randn(rows, weight.shape[1])
-            for name, kernel in kernels.items():
+            x = torch.randn(rows, linear.in_features)
+            for kernel in kernels.values():
                 kernel(x)  # warm-up: first-call allocations and kernel selection
             for _ in range(repeats):
                 for name, kernel in kernels.items():
