@@ -4,14 +4,13 @@ Which kernel is fastest for a few rows depends on the CPU. On a 2-core Xeon (202
 default MKL path multiplied a weight by 1-3 rows at memory speed but by 4-12 rows at about half
 that speed, so a verification pass over gamma+1 = 5 tokens cost twice a plain step; oneDNN with
 weights reordered once into its blocked layout kept 4-16 rows close to one row. On a 2-core AMD
-EPYC (2026-11-30; MKL does not take its fast paths on AMD) MKL is slow from one row on: the
-Qwen2.5-1.5B MLP weight [8960, 1536] takes 2.5 / 5.6 / 7.3 ms for 1 / 2 / 3 rows against 1.7 /
-1.7 / 2.0 ms packed, and a whole 1-token step of that model 337 ms dense against 273 ms packed
-(`verispec costs --threads 2`).
-So the row count from which the packed copy is used is measured once per model
-(:func:`fastest_min_packed_rows`) instead of fixed. The price is a second copy of each weight.
-A module swap on the model instance, like torch's own quantisation does: no transformers class
-is modified.
+EPYC (2026-11-30; MKL is known not to take its fast paths on AMD) MKL is slow from one row on:
+the Qwen2.5-1.5B MLP weight [8960, 1536] took 2.5 / 5.6 / 7.3 ms for 1 / 2 / 3 rows against 1.7 /
+1.7 / 2.0 ms packed (one-off timing), and a whole 1-token step of that model 337 ms dense against
+273 ms packed (`verispec costs --threads 2`). So the row count from which the packed copy is used
+is measured once per model (:func:`fastest_min_packed_rows`) instead of fixed. The price is a
+second copy of each weight. A module swap on the model instance, like torch's own quantisation
+does: no transformers class is modified.
 """
 
 from __future__ import annotations
