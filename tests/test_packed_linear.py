@@ -40,7 +40,7 @@ def test_bad_threshold():
 
 def test_bad_threshold_measurement_arguments():
     with pytest.raises(ValueError, match="repeats"):
-        fastest_min_packed_rows(torch.nn.Linear(64, 48), repeats=0)
+        fastest_min_packed_rows(PackedLinear(torch.nn.Linear(64, 48), min_packed_rows=4), repeats=0)
     with pytest.raises(ValueError, match="same, non-empty set of row counts"):
         choose_min_packed_rows({1: 1.0, 2: 1.0}, {1: 1.0})
 
@@ -61,7 +61,7 @@ def test_threshold_is_the_smallest_row_count_from_which_packed_never_loses(packe
 
 
 def test_measured_threshold_is_a_valid_row_count():
-    assert 1 <= fastest_min_packed_rows(torch.nn.Linear(256, 512), repeats=3) <= 4
+    assert 1 <= fastest_min_packed_rows(PackedLinear(torch.nn.Linear(256, 512), min_packed_rows=4), repeats=3) <= 4
 
 
 def test_pack_linears_measures_the_threshold_on_the_largest_body_linear(monkeypatch):
@@ -76,7 +76,8 @@ def test_pack_linears_measures_the_threshold_on_the_largest_body_linear(monkeypa
 
     monkeypatch.setattr(packed_linear, "fastest_min_packed_rows", fake_measure)
     pack_linears(model)
-    assert timed == [max(body, key=lambda linear: linear.weight.numel())]
+    assert len(timed) == 1 and isinstance(timed[0], PackedLinear)
+    assert timed[0].weight is max(body, key=lambda linear: linear.weight.numel()).weight
     assert output_layer.weight.numel() > timed[0].weight.numel()  # the vocabulary-sized head is skipped
     assert {m.min_packed_rows for m in model.modules() if isinstance(m, PackedLinear)} == {3}
     timed.clear()

@@ -29,8 +29,8 @@ def onednn_packing_available() -> bool:
 # From this row count on the packed kernel won on both CPUs; below it, it is measured.
 _ALWAYS_PACKED_FROM = 4
 # oneDNN's batch-size hint for the packed layout (any row count runs with any layout). Whole 1.5B
-# steps on the AMD machine (one-off timing, two runs), hint 1 / 4 / 8: 1 row 286-295 / 249-259 / 226-253 ms, 7 rows 564-566 /
-# 393-458 / 382-388 ms. 8 ~ gamma+1 of a typical verification pass.
+# steps on the AMD machine (one-off timing, two runs), hint 1 / 4 / 8: 1 row 286-295 / 249-259 /
+# 226-253 ms, 7 rows 564-566 / 393-458 / 382-388 ms. 8 ~ gamma+1 of a typical verification pass.
 _LAYOUT_ROWS = 8
 
 
@@ -47,10 +47,15 @@ class PackedLinear(nn.Module):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _LAYOUT_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
-        rows = x.numel() // self.in_features
-        if rows < self.min_packed_rows or x.requires_grad or x.dtype != torch.float32:
-            return nn.functional.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features)
+        if x.numel() // self.in_features < self.min_packed_rows or x.requires_grad or x.dtype != torch.float32:
+            return self.dense(x)
+        return self.packed(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
+        flat = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
@@ -75,19 +80,19 @@ def choose_min_packed_rows(dense_s: dict[int, float], packed_s: dict[int, float]
     return min(chosen, _ALWAYS_PACKED_FROM)
 
 
-def fastest_min_packed_rows(linear: nn.Linear, repeats: int = 5) -> int:
-    """Time ``linear`` dense and packed for 1.._ALWAYS_PACKED_FROM-1 rows on this machine (medians of
+def fastest_min_packed_rows(layer: PackedLinear, repeats: int = 5) -> int:
+    """Time ``layer`` dense and packed for 1.._ALWAYS_PACKED_FROM-1 rows on this machine (medians of
     ``repeats``, the two kernels interleaved so machine noise hits both) and choose the threshold.
 
     Pass the model's largest body weight: one that does not fit in the CPU's caches, as in a real pass.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    kernels = {"dense": lambda x: nn.functional.linear(x, linear.weight, linear.bias), "packed": PackedLinear(linear, min_packed_rows=1)}
+    kernels = {"dense": layer.dense, "packed": layer.packed}
     times: dict[str, dict[int, list[float]]] = {name: {} for name in kernels}
     with torch.inference_mode():
         for rows in range(1, _ALWAYS_PACKED_FROM):
-            x = torch.randn(rows, linear.in_features)
+            x = torch.randn(rows, layer.in_features)
             for kernel in kernels.values():
                 kernel(x)  # warm-up: first-call allocations and kernel selection
             for _ in range(repeats):
@@ -109,16 +114,22 @@ def pack_linears(model: nn.Module, min_packed_rows: int | None = None) -> nn.Mod
         raise ValueError(f"min_packed_rows must be >= 1, got {min_packed_rows}")
     if not onednn_packing_available():
         raise RuntimeError("this PyTorch build has no oneDNN (mkldnn) linear kernels")
+    output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.weight.dtype == torch.float32
     ]
-    if min_packed_rows is None and swaps:
-        output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        body = [child for _, _, child in swaps if child is not output_layer] or [child for _, _, child in swaps]
-        min_packed_rows = fastest_min_packed_rows(max(body, key=lambda linear: linear.weight.numel()))
+    layers, body = [], []
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, min_packed_rows))
+        layer = PackedLinear(child, min_packed_rows or _ALWAYS_PACKED_FROM)
+        setattr(parent, name, layer)
+        layers.append(layer)
+        if child is not output_layer:
+            body.append(layer)
+    if min_packed_rows is None and layers:
+        measured = fastest_min_packed_rows(max(body or layers, key=lambda layer: layer.weight.numel()))
+        for layer in layers:
+            layer.min_packed_rows = measured
     return model
