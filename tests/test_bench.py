@@ -102,6 +102,39 @@ def test_bench_end_to_end_writes_results_report_and_plots(tiny_gguf, prompts_fil
         assert_valid_png(out / name)
 
 
+def test_method_settings_run_side_by_side_under_their_full_names(tiny_gguf, prompts_file, tmp_path):
+    out = tmp_path / "out"
+    methods = ["plain", "draft-model:gamma=3", "draft-model:gamma=3:vocab=40:confidence=0"]
+    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", ",".join(methods), "--gamma", "5", "--draft-confidence", "0.99") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["methods"] == methods
+    assert [s["method"] for s in results["summaries"]] == methods
+    most_drafted = {name: max(max(r["drafted_per_round"]) for r in results["rows"] if r["method"] == name) for name in methods[1:]}
+    # The draft is the target, so without a confidence stop it drafts all it may until the token
+    # budget ends: its own gamma (3), not --gamma 5. The other variant keeps the run's 0.99 threshold,
+    # which the tiny model's distributions do not reach on every token.
+    assert most_drafted["draft-model:gamma=3:vocab=40:confidence=0"] == 3
+    assert most_drafted["draft-model:gamma=3"] < 3
+    by_method = {s["method"]: s for s in results["summaries"]}
+    for name in methods[1:]:
+        assert by_method[name]["identical"]["count"] == 3  # greedy: settings change the speed, never the output
+
+
+def test_method_settings_reach_the_drafter(tiny_gguf):
+    from verispec.models import load_model
+
+    model = load_model(tiny_gguf)
+    default = bench_methods.build_method("draft-model", model, model, gamma=4, draft_confidence=0.5, draft_vocab=30)
+    assert default.decoder.gamma == 4 and default.decoder.drafter.confidence_threshold == 0.5
+    assert len(default.decoder.drafter.vocab_ids) >= 30
+    variant = bench_methods.build_method("draft-model-adaptive:gamma=7:vocab=0:confidence=0.25", model, model, gamma=4, draft_confidence=0.5, draft_vocab=30)
+    assert variant.name == "draft-model-adaptive:gamma=7:vocab=0:confidence=0.25"
+    assert variant.decoder.gamma == 7 and variant.decoder._gamma_controller is not None
+    assert variant.decoder.drafter.confidence_threshold == 0.25 and variant.decoder.drafter.vocab_ids is None  # 0: the full vocabulary
+    assert bench_methods.parse_variant("ngram+draft:vocab=64") == bench_methods.MethodVariant("ngram+draft", vocab=64)
+    assert bench_methods.method_spec("hf-lookup").family == "hf"
+
+
 def assert_valid_png(path: Path) -> None:
     from matplotlib.image import imread
 
@@ -175,6 +208,16 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
     ("extra", "message"),
     [
         (["--methods", "plain,warp-drive"], "unknown method 'warp-drive'"),
+        (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
+        (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
+        (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, got 'speed=11'"),
+        (["--methods", "draft-model:vocab"], "got 'vocab'"),
+        (["--methods", "draft-model:confidence=1"], "confidence out of range"),
+        (["--methods", "draft-model:vocab=many"], "vocab must be a number, got 'many'"),
+        (["--methods", "hf-assisted:gamma=3"], "gamma applies to our drafting methods only"),
+        (["--methods", "plain:gamma=3"], "gamma applies to our drafting methods only"),
+        (["--methods", "ngram:vocab=100"], "vocab applies to draft-model, draft-model-adaptive, ngram+draft only"),
         (["--set", "spec-bench", "--spec-bench", "/nonexistent/dev.jsonl"], "Spec-Bench file '/nonexistent/dev.jsonl' not found"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--set", "humaneval,nonsense"], "--set: unknown 'nonsense'"),

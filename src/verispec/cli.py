@@ -194,7 +194,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
 
 
 def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
-    from verispec.bench.methods import DEFAULT_METHODS, METHODS, QUICK_METHODS
+    from verispec.bench.methods import DEFAULT_METHODS, METHOD_OPTIONS, METHODS, QUICK_METHODS
     from verispec.bench.long_context import DEFAULT_LONG_LENGTHS, LONG_SPLITS
     from verispec.bench.prompts import DEFAULT_SPEC_BENCH
     from verispec.far_memory_cli import add_far_memory_options
@@ -211,11 +211,17 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
             "per category; writes results.json, report.md and PNG plots to --out. Ctrl-C stops the run and\n"
             "still writes what was measured."
         ),
-        epilog="methods:\n" + "\n".join(f"  {m.name:<22}{m.description}" for m in METHODS.values()),
+        epilog=(
+            "methods:\n"
+            + "\n".join(f"  {m.name:<22}{m.description}" for m in METHODS.values())
+            + "\n\nsettings per method, to compare them side by side in one run (NAME:key=value[:key=value]),\n"
+            + "e.g. --methods plain,draft-model:gamma=6,draft-model:gamma=8:vocab=32768 (they override --gamma etc.):\n"
+            + "\n".join(f"  {key:<22}{text}" for key, text in METHOD_OPTIONS.items())
+        ),
     )
     bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
     bench.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for the methods that use one (default {DEFAULT_DRAFT}); loaded only if needed")
-    bench.add_argument("--methods", default=None, metavar="A,B", help=f"comma list of methods (below); default: {','.join(DEFAULT_METHODS)}; with --quick: {','.join(QUICK_METHODS)}")
+    bench.add_argument("--methods", default=None, metavar="A,B", help=f"comma list of methods (below), each optionally with :key=value settings; default: {','.join(DEFAULT_METHODS)}; with --quick: {','.join(QUICK_METHODS)}")
     bench.add_argument("--set", dest="sets", default=None, metavar="SETS", help="prompt sets, comma list of humaneval, spec-bench, file, long (default humaneval,spec-bench; file when --prompts is given); long: stdlib modules cut to --lengths tokens with a request at the end, one category per length")
     bench.add_argument("--lengths", default=",".join(map(str, DEFAULT_LONG_LENGTHS)), metavar="N,M", help=f"--set long: prompt lengths in tokens, chat template included (default {','.join(map(str, DEFAULT_LONG_LENGTHS))})")
     bench.add_argument("--split", choices=LONG_SPLITS, default="eval", help="--set long: dev (for choosing --local-window etc.) or eval modules, disjoint (default eval)")
@@ -526,7 +532,7 @@ def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from verispec.bench import report
-    from verispec.bench.methods import METHODS, build_method, parse_methods
+    from verispec.bench.methods import build_method, method_spec, parse_methods
     from verispec.bench.plots import write_plots
     from verispec.bench.runner import BenchRun, BenchSettings, count_runs, run_bench
     from verispec.bench.summary import reference_method, summarize
@@ -541,9 +547,9 @@ def _bench(args: argparse.Namespace) -> int:
     prompts, per_set = _bench_prompts(args, preset)
     if args.raw and args.multi_turn:
         raise ValueError("--raw prompts are single texts to continue; they cannot be combined with --multi-turn")
-    needs_draft = any(METHODS[name].needs_draft for name in names)
+    needs_draft = any(method_spec(name).needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
-        raise ValueError(f"--draft none, but {', '.join(n for n in names if METHODS[n].needs_draft)} need(s) a draft model")
+        raise ValueError(f"--draft none, but {', '.join(n for n in names if method_spec(n).needs_draft)} need(s) a draft model")
     eagle_head = _eagle_head_path(args) if any(name.startswith("eagle") for name in names) else None
     from verispec.parallel_cli import parallel_head_path
 

@@ -56,15 +56,68 @@ QUICK_METHODS = ("plain", "draft-model", "ngram")  # --quick: the baseline and o
 REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-output references, in order of preference
 
 
+# Per-method settings a method name can carry after colons, e.g. ``draft-model:gamma=8:vocab=32768``,
+# so that settings are compared side by side in one run (interleaved prompt by prompt, like methods).
+# option -> (the families of methods it applies to, parser of its value)
+_DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft")
+METHOD_OPTIONS = {
+    "gamma": "draft tokens per round (adaptive methods: at most), >= 1",
+    "vocab": "draft model: draft over the first N token ids (+ special ones); 0 = the full vocabulary",
+    "confidence": "draft model: stop a round's drafting below this draft probability, in [0, 1); 0 = never",
+}
+_VALID = {"gamma": lambda v: v >= 1, "vocab": lambda v: v >= 0, "confidence": lambda v: 0 <= v < 1}
+
+
+@dataclass(frozen=True)
+class MethodVariant:
+    """A method name plus the settings its ``:key=value`` suffixes override (None: the run's setting)."""
+
+    base: str
+    gamma: int | None = None
+    vocab: int | None = None
+    confidence: float | None = None
+
+
+def parse_variant(name: str) -> MethodVariant:
+    """``draft-model:gamma=8:vocab=32768`` -> MethodVariant; ValueError naming --methods otherwise."""
+    base, *options = name.split(":")
+    if base not in METHODS:
+        raise ValueError(f"--methods: unknown method {base!r}; known: {', '.join(METHODS)}")
+    values: dict[str, int | float] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key not in METHOD_OPTIONS or not sep:
+            raise ValueError(f"--methods: {name!r}: expected key=value with key one of {', '.join(METHOD_OPTIONS)}, got {option!r}")
+        if key in values:
+            raise ValueError(f"--methods: {name!r} sets {key} twice")
+        if key == "gamma" and (METHODS[base].family != "ours" or base == "plain"):
+            raise ValueError(f"--methods: {name!r}: gamma applies to our drafting methods only")
+        if key in ("vocab", "confidence") and base not in _DRAFT_MODEL_METHODS:
+            raise ValueError(f"--methods: {name!r}: {key} applies to {', '.join(_DRAFT_MODEL_METHODS)} only")
+        try:
+            number: int | float = float(value) if key == "confidence" else int(value)
+        except ValueError:
+            raise ValueError(f"--methods: {name!r}: {key} must be a number, got {value!r}") from None
+        if not _VALID[key](number):
+            raise ValueError(f"--methods: {name!r}: {key} out of range ({METHOD_OPTIONS[key]}), got {value}")
+        values[key] = number
+    return MethodVariant(base, **values)  # type: ignore[arg-type]
+
+
 def parse_methods(text: str) -> list[str]:
-    """Method names from a comma list, in the given order, duplicates dropped; ValueError naming --methods."""
+    """Method names (each optionally with ``:key=value`` settings) from a comma list, in the given
+    order, duplicates dropped; ValueError naming --methods."""
     names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     if not names:
         raise ValueError("--methods must name at least one method")
-    unknown = [name for name in names if name not in METHODS]
-    if unknown:
-        raise ValueError(f"--methods: unknown method {', '.join(map(repr, unknown))}; known: {', '.join(METHODS)}")
+    for name in names:
+        parse_variant(name)
     return names
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The :class:`MethodSpec` of a method name, settings suffixes allowed."""
+    return METHODS[parse_variant(name).base]
 
 
 @dataclass
@@ -170,6 +223,9 @@ def build_method(
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
+    ``name`` may carry ``:key=value`` settings (:func:`parse_variant`) that override ``gamma``,
+    ``draft_vocab`` and ``draft_confidence`` for this method; the method keeps the full name as its label.
+
     ``draft_confidence``: our draft-model methods stop a round's drafting below this probability.
     ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods;
     ``head_quantize``: run the EAGLE and parallel heads with int8 linears.
@@ -180,16 +236,22 @@ def build_method(
     ``draft_vocab``: our draft-model methods draft over the first N token ids (+ special ones) only.
     ``draft_lean``: ``DraftModel(lean=...)`` for our draft-model methods (None: our lean forward where it applies).
     """
-    spec = METHODS[name]
+    variant = parse_variant(name)
+    spec, label, name = METHODS[variant.base], name, variant.base
     if spec.needs_draft and draft is None:
         raise ValueError(f"method {name!r} needs a draft model")
     if spec.family == "hf":
         return _build_hf(name, target, draft)
+    gamma = variant.gamma if variant.gamma is not None else gamma
+    if variant.vocab is not None:
+        draft_vocab = variant.vocab or None
+    if variant.confidence is not None:
+        draft_confidence = variant.confidence or None
     from verispec.drafters import CombinedDrafter, DraftModel, NgramDrafter
     from verispec.engine import SpeculativeDecoder
 
     if name == "plain":
-        return OursMethod(name, SpeculativeDecoder(target))
+        return OursMethod(label, SpeculativeDecoder(target))
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
     if name.startswith("draft-model"):
         drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean)
@@ -215,7 +277,7 @@ def build_method(
         drafter = CombinedDrafter(NgramDrafter(min_ngram=2, match_drafts=()), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean))
     else:
         drafter = NgramDrafter()
-    return OursMethod(name, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))
+    return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))
 
 
 def _build_hf(name: str, target: Any, draft: Any | None) -> HFMethod:
