@@ -24,6 +24,26 @@ def test_generate_streams_text_and_stats(tiny_gguf, capsys):
     assert "12 tokens" in err and "tau" in err and "alpha 1.00" in err  # identical draft: all accepted
 
 
+def test_gamma_control_fixed_drafts_gamma_every_round_and_adaptive_keeps_the_text(tiny_gguf, capsys):
+    common = ["generate", "--target", tiny_gguf, "--draft", tiny_gguf, "--gamma", "3", "--max-new-tokens", "12", "--raw", "hello the"]
+    assert main([*common, "--gamma-control", "fixed"]) == 0
+    fixed_text, err = capsys.readouterr()
+    # The draft is the target: 3 drafts accepted + 1 token, every round: 12 tokens in 3 calls.
+    assert "target calls 3, tau 4.00" in err
+    assert main(common) == 0  # adaptive, the default: greedy text cannot depend on gamma
+    assert capsys.readouterr().out == fixed_text
+
+
+def test_seeded_sampling_never_follows_the_adaptive_controller():
+    from verispec.cli import gamma_is_adaptive
+    from verispec.sampling import SamplingParams
+
+    assert gamma_is_adaptive("adaptive", SamplingParams())  # greedy
+    assert gamma_is_adaptive("adaptive", SamplingParams(temperature=0.7))  # unseeded sampling
+    assert not gamma_is_adaptive("adaptive", SamplingParams(temperature=0.7, seed=3))  # its text must not depend on timings
+    assert not gamma_is_adaptive("fixed", SamplingParams())
+
+
 def test_generate_plain_matches_speculative_text(tiny_gguf, capsys):
     common = ["--target", tiny_gguf, "--max-new-tokens", "10", "--raw", "hello the"]
     assert main(["generate", "--draft", "none", *common]) == 0

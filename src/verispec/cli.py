@@ -158,7 +158,8 @@ def _add_loading_options(sub: argparse.ArgumentParser) -> None:
 
     add_far_memory_options(sub)
     sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
-    sub.add_argument("--gamma", type=int, default=4, help="draft tokens per target call (default 4)")
+    sub.add_argument("--gamma", type=int, default=6, help="draft tokens per target call; with --gamma-control adaptive the most a round drafts (default 6)")
+    sub.add_argument("--gamma-control", choices=["adaptive", "fixed"], default="adaptive", help="adaptive (default): draft 0..gamma a round, chosen from this text's acceptance and the measured costs, decoding plainly while the text defeats the drafter (rejection attacks included); fixed: always gamma (serve: the batch policy's). Sampling with --seed (a seeded request) always drafts the fixed gamma, so its text depends on prompt and seed only, never on timings")
     sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
     _add_kernel_options(sub)
@@ -178,7 +179,6 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
     serve.add_argument("--gamma-full-batch", type=int, default=1, help="batches up to this size draft the full --gamma (default 1: measured on 2 CPU cores, speculation pays for a lone request only)")
     serve.add_argument("--gamma-off-batch", type=int, default=2, help="batches of this size or more decode plainly, gamma 0 (default 2); gamma tapers in between")
-    serve.add_argument("--gamma-control", choices=["adaptive", "fixed"], default="adaptive", help="adaptive (default): each unseeded request drafts 0..gamma a round from its own acceptance and the measured costs, decoding plainly while its text defeats the drafter (rejection attacks included); fixed: always the batch policy's gamma. Seeded requests always use the policy's gamma, so their text depends on prompt and seed only")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
     serve.add_argument("--speedup-floor", type=positive_float, default=MonitorConfig.speedup_floor, metavar="F", help=f"log one structured warning (event speculation_below_floor; metric verispec_speculation_below_floor_total) when a request, an API key or the whole server realises less than F x plain decoding's speed over its last --monitor-window rounds, and again only after it recovered (default {MonitorConfig.speedup_floor})")
     serve.add_argument("--monitor-window", type=positive_int, default=MonitorConfig.window, metavar="N", help=f"rounds the acceptance monitor keeps per scope for /metrics' rolling gauges and the floor check; a verdict needs min(16, N) of them (default {MonitorConfig.window})")
@@ -259,8 +259,16 @@ def _load(args: argparse.Namespace):
     sampling = _check_decoding_options(args, args.max_new_tokens)  # before minutes of loading
     target, drafter = _load_target_and_drafter(args)
     plain = SpeculativeDecoder(target)
-    speculative = SpeculativeDecoder(target, drafter, gamma=args.gamma) if drafter is not None else plain
+    adaptive = gamma_is_adaptive(args.gamma_control, sampling)
+    speculative = SpeculativeDecoder(target, drafter, gamma=args.gamma, adaptive_gamma=adaptive) if drafter is not None else plain
     return target, plain, speculative, sampling
+
+
+def gamma_is_adaptive(gamma_control: str, sampling) -> bool:  # noqa: ANN001 - SamplingParams
+    """Whether drafts per round follow the adaptive controller. Not for seeded sampling: the
+    controller decides from timings, and the number of drafts decides how the seeded random stream
+    is consumed, so the text would depend on the machine's speed. Greedy text never depends on it."""
+    return gamma_control == "adaptive" and (sampling.is_greedy or sampling.seed is None)
 
 
 def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (LoadedModel, Drafter | None)
