@@ -58,7 +58,7 @@ REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-ou
 
 # Per-method settings a method name can carry after colons, e.g. ``draft-model:gamma=8:vocab=32768``,
 # so that settings are compared side by side in one run (interleaved prompt by prompt, like methods).
-# option -> (the families of methods it applies to, parser of its value)
+# METHOD_OPTIONS: key -> what it sets (shown by `bench --help`); _VALID: key -> its range check.
 _DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft")
 METHOD_OPTIONS = {
     "gamma": "draft tokens per round (adaptive methods: at most), >= 1",
@@ -237,7 +237,8 @@ def build_method(
     ``draft_lean``: ``DraftModel(lean=...)`` for our draft-model methods (None: our lean forward where it applies).
     """
     variant = parse_variant(name)
-    spec, label, name = METHODS[variant.base], name, variant.base
+    label = name  # the full name, settings included, labels the rows; the base name picks the method
+    spec, name = METHODS[variant.base], variant.base
     if spec.needs_draft and draft is None:
         raise ValueError(f"method {name!r} needs a draft model")
     if spec.family == "hf":
