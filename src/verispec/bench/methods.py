@@ -8,7 +8,7 @@ around the whole call, prefill included, because that is how long a user waits f
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -58,14 +58,27 @@ REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-ou
 
 # Per-method settings a method name can carry after colons, e.g. ``draft-model:gamma=8:vocab=32768``,
 # so that settings are compared side by side in one run (interleaved prompt by prompt, like methods).
-# METHOD_OPTIONS: key -> what it sets (shown by `bench --help`); _VALID: key -> its range check.
 _DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft")
-METHOD_OPTIONS = {
-    "gamma": "draft tokens per round (adaptive methods: at most), >= 1",
-    "vocab": "draft model: draft over the first N token ids (+ special ones); 0 = the full vocabulary",
-    "confidence": "draft model: stop a round's drafting below this draft probability, in [0, 1); 0 = never",
+
+
+@dataclass(frozen=True)
+class _Option:
+    help: str  # shown by `bench --help` and in out-of-range errors
+    parse: type  # int or float
+    valid: Callable[[float], bool]
+    applies: Callable[[str], bool]  # to which base method names
+    scope: str  # those methods, for the error message
+
+
+_OPTIONS = {
+    "gamma": _Option("draft tokens per round (adaptive methods: at most), >= 1", int, lambda v: v >= 1,
+                     lambda base: METHODS[base].family == "ours" and base != "plain", "our drafting methods"),
+    "vocab": _Option("draft model: draft over the first N token ids (+ special ones); 0 = the full vocabulary", int, lambda v: v >= 0,
+                     lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "confidence": _Option("draft model: stop a round's drafting below this draft probability, in [0, 1); 0 = never", float, lambda v: 0 <= v < 1,
+                          lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
 }
-_VALID = {"gamma": lambda v: v >= 1, "vocab": lambda v: v >= 0, "confidence": lambda v: 0 <= v < 1}
+METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
 
 @dataclass(frozen=True)
@@ -80,26 +93,25 @@ class MethodVariant:
 
 def parse_variant(name: str) -> MethodVariant:
     """``draft-model:gamma=8:vocab=32768`` -> MethodVariant; ValueError naming --methods otherwise."""
-    base, *options = name.split(":")
+    base, *settings = name.split(":")
     if base not in METHODS:
         raise ValueError(f"--methods: unknown method {base!r}; known: {', '.join(METHODS)}")
     values: dict[str, int | float] = {}
-    for option in options:
-        key, sep, value = option.partition("=")
-        if key not in METHOD_OPTIONS or not sep:
-            raise ValueError(f"--methods: {name!r}: expected key=value with key one of {', '.join(METHOD_OPTIONS)}, got {option!r}")
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if key not in _OPTIONS or not sep:
+            raise ValueError(f"--methods: {name!r}: expected key=value with key one of {', '.join(_OPTIONS)}, got {setting!r}")
         if key in values:
             raise ValueError(f"--methods: {name!r} sets {key} twice")
-        if key == "gamma" and (METHODS[base].family != "ours" or base == "plain"):
-            raise ValueError(f"--methods: {name!r}: gamma applies to our drafting methods only")
-        if key in ("vocab", "confidence") and base not in _DRAFT_MODEL_METHODS:
-            raise ValueError(f"--methods: {name!r}: {key} applies to {', '.join(_DRAFT_MODEL_METHODS)} only")
+        option = _OPTIONS[key]
+        if not option.applies(base):
+            raise ValueError(f"--methods: {name!r}: {key} applies to {option.scope} only")
         try:
-            number: int | float = float(value) if key == "confidence" else int(value)
+            number = option.parse(value)
         except ValueError:
             raise ValueError(f"--methods: {name!r}: {key} must be a number, got {value!r}") from None
-        if not _VALID[key](number):
-            raise ValueError(f"--methods: {name!r}: {key} out of range ({METHOD_OPTIONS[key]}), got {value}")
+        if not option.valid(number):
+            raise ValueError(f"--methods: {name!r}: {key} out of range ({option.help}), got {value}")
         values[key] = number
     return MethodVariant(base, **values)  # type: ignore[arg-type]
 
