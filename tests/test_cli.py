@@ -7,6 +7,7 @@ import pytest
 
 from tiny_models import write_tiny_qwen2_gguf
 from verispec.cli import main
+from verispec.models.panel_linear import panel_kernels_unavailable_reason
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,10 @@ def test_costs_prints_a_table_per_kernel_setting(tiny_gguf, capsys):
     args = ["costs", "--target", tiny_gguf, "--draft", tiny_gguf, "--context", "8", "--tokens", "1,4", "--repeats", "2"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    for setting in ["target dense", "draft float32", "draft float32, lean", "draft int8", "draft int8, lean (default)"]:
+    settings = ["target dense", "draft float32", "draft float32, lean", "draft int8", "draft int8, lean, torch kernels"]
+    if panel_kernels_unavailable_reason() is None:
+        settings += ["target panel (default)", "draft int8, lean, panel (default)"]
+    for setting in settings:
         assert setting in out
     assert "1.00x" in out
 

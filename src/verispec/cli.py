@@ -35,16 +35,22 @@ def _add_sampling_options(sub: argparse.ArgumentParser) -> None:
 
 def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
-    sub.add_argument("--target-kernels", choices=["packed", "dense"], default="packed", help="packed (default): oneDNN-packed weights for passes over 4+ tokens (verification), which cost ~2x a plain step with the dense kernels on CPU, and for 1-3 tokens too where a timing at load shows them faster on this CPU (uses a second copy of the target's weights); plus attention reading the cache's shared key/value heads in place. dense: PyTorch's and transformers' defaults only")
+    sub.add_argument("--target-kernels", choices=["panel", "packed", "dense"], default="panel", help="panel (default): our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second), which keep a 7-token verification pass close to a 1-token step; packed: oneDNN-packed weights instead; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     sub.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft model: draft over the first N token ids plus the special ones only (byte-level BPE numbers tokens by merge order, roughly by frequency), so a draft step multiplies by N LM-head rows instead of all; 0 = the full vocabulary (default). Exact either way")
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE or parallel head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
+    sub.add_argument("--draft-kernels", choices=["panel", "torch"], default="panel", help="panel (default): the lean draft forward's products and the draft's output layer through our AVX2 few-row kernels (same int8 weights, float32 activations; falls back where they cannot run); torch: PyTorch's (fbgemm int8) kernels. The output is the target's either way")
     sub.add_argument("--draft-forward", choices=["lean", "transformers"], default="lean", help="lean (default): the draft model runs through our own forward over its modules (stacked q/k/v and gate/up products, in-place KV cache; Llama/Qwen2/Mistral, else falls back); transformers: the model's own forward. The output is the target's either way")
 
 
 def draft_lean(args: argparse.Namespace) -> bool | None:
     """DraftModel's ``lean`` for --draft-forward: None (lean where the model allows) or False."""
     return None if getattr(args, "draft_forward", "lean") == "lean" else False
+
+
+def draft_panel_kernels(args: argparse.Namespace) -> bool:
+    """DraftModel's ``panel_kernels`` for --draft-kernels."""
+    return getattr(args, "draft_kernels", "panel") == "panel"
 
 
 def _check_decoding_options(args: argparse.Namespace, max_new_tokens: int):  # noqa: ANN202 - SamplingParams
@@ -79,10 +85,17 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: A
     from verispec.models import quantize_int8
     from verispec.models.gqa_attention import use_gqa_attention
     from verispec.models.packed_linear import onednn_packing_available, pack_linears
+    from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 
-    if args.target_kernels == "packed":
+    if args.target_kernels in ("panel", "packed"):
         use_gqa_attention(target.model)
-        if target.model.dtype == torch.float32 and onednn_packing_available():
+        kernels = args.target_kernels
+        if kernels == "panel" and target.model.dtype == torch.float32 and (reason := panel_kernels_unavailable_reason()) is not None:
+            print(f"note: --target-kernels panel cannot run here ({reason}); using packed", file=sys.stderr)
+            kernels = "packed"
+        if target.model.dtype == torch.float32 and kernels == "panel":
+            use_panel_kernels(target.model)
+        elif target.model.dtype == torch.float32 and onednn_packing_available():
             pack_linears(target.model)
     if draft is not None and args.draft_quantize == "int8":
         quantize_int8(draft.model)
@@ -299,7 +312,7 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
         drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args))
     else:
-        drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None, lean=draft_lean(args)) if draft is not None else None
+        drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None, lean=draft_lean(args), panel_kernels=draft_panel_kernels(args)) if draft is not None else None
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return target, drafter
 
@@ -441,6 +454,7 @@ def _costs(args: argparse.Namespace) -> int:
     from verispec.models import load_model, quantize_int8
     from verispec.models.gqa_attention import use_gqa_attention
     from verispec.models.packed_linear import PackedLinear, onednn_packing_available, pack_linears
+    from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 
     counts = _int_list(args.tokens, "--tokens")
     if not counts or min(counts) < 1 or args.context < 1 or args.repeats < 1:
@@ -463,6 +477,9 @@ def _costs(args: argparse.Namespace) -> int:
         packed = use_gqa_attention(pack_linears(target.model))
         from_rows = next(module.min_packed_rows for module in packed.modules() if isinstance(module, PackedLinear))
         rows[f"target packed (from {from_rows} rows)"] = forward_costs(packed, args.context, counts, args.repeats)
+    if panel_kernels_unavailable_reason() is None and target.model.dtype == torch.float32:
+        # Swapping the packed layers releases their oneDNN copy: never three copies of the weights.
+        rows["target panel (default)"] = forward_costs(use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
     if head_path is not None:
         from verispec.bench.costs import eagle_costs
         from verispec.drafters.eagle import EagleDrafter
@@ -487,12 +504,14 @@ def _costs(args: argparse.Namespace) -> int:
             rows["draft float32, lean"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True)
         rows["draft int8"] = forward_costs(quantize_int8(draft.model), args.context, counts, args.repeats)
         if lean:
-            rows["draft int8, lean (default)"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True)
+            rows["draft int8, lean, torch kernels"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True)
+            if panel_kernels_unavailable_reason() is None:
+                rows["draft int8, lean, panel (default)"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True, panel_kernels=True)
         if args.draft_vocab:
             from verispec.drafters import DraftModel
 
             reduced = DraftModel(draft, draft_vocab=args.draft_vocab)
-            rows[f"draft int8, {len(reduced.vocab_ids)} vocab"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head, lean=lean)
+            rows[f"draft int8, {len(reduced.vocab_ids)} vocab"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head, lean=lean, panel_kernels=lean and reduced.lean_decoder is not None and reduced.lean_decoder.panel_kernels)
     print(f"median ms per forward pass over N new tokens after a {args.context}-token cache ({torch.get_num_threads()} threads)")
     print(format_costs(rows))
     return 0
@@ -581,7 +600,7 @@ def _bench(args: argparse.Namespace) -> int:
         prompts, per_set = _bench_prompts(args, preset, target.tokenizer)
     head_quantize = args.draft_quantize == "int8"
     far_memory = far_memory_from_args(args, "fold")
-    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, head_quantize, far_memory, parallel_head, args.draft_vocab or None, draft_lean(args)) for name in names}
+    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, head_quantize, far_memory, parallel_head, args.draft_vocab or None, draft_lean(args), draft_panel_kernels(args)) for name in names}
     answer_method = build_method("plain", target, None, args.gamma) if args.multi_turn and "plain" not in methods else None
     settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup, chat=not args.raw)
 

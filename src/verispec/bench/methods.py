@@ -232,6 +232,7 @@ def build_method(
     parallel_head: Any | None = None,
     draft_vocab: int | None = None,
     draft_lean: bool | None = None,
+    draft_panel_kernels: bool = True,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
@@ -247,6 +248,7 @@ def build_method(
     ``parallel_head``: the parallel head (checkpoint path or ``ParallelHead``) for the parallel methods.
     ``draft_vocab``: our draft-model methods draft over the first N token ids (+ special ones) only.
     ``draft_lean``: ``DraftModel(lean=...)`` for our draft-model methods (None: our lean forward where it applies).
+    ``draft_panel_kernels``: ``DraftModel(panel_kernels=...)`` for our draft-model methods.
     """
     variant = parse_variant(name)
     label = name  # the full name, settings included, labels the rows; the base name picks the method
@@ -267,7 +269,7 @@ def build_method(
         return OursMethod(label, SpeculativeDecoder(target))
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
     if name.startswith("draft-model"):
-        drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean)
+        drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean, panel_kernels=draft_panel_kernels)
     elif name.startswith("eagle"):
         from verispec.drafters.eagle import EagleDrafter
 
@@ -287,7 +289,7 @@ def build_method(
     elif name.startswith("ngram+"):
         # Lookup claims a round only on a 2+ token match, and then drafts all it can: on a weaker
         # match the draft model does better than a short, capped lookup proposal.
-        drafter = CombinedDrafter(NgramDrafter(min_ngram=2, match_drafts=()), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean))
+        drafter = CombinedDrafter(NgramDrafter(min_ngram=2, match_drafts=()), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean, panel_kernels=draft_panel_kernels))
     else:
         drafter = NgramDrafter()
     return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))

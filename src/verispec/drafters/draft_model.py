@@ -11,6 +11,7 @@ from verispec.drafters.draft_vocab import full_vocab_probs, leading_token_ids, r
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_unsupported_reason
 from verispec.modelref import unwrap_model
+from verispec.models.panel_linear import panel_or_same
 from verispec.models.quantize import is_quantized
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
@@ -33,6 +34,9 @@ class DraftModel:
     CPU) instead of the model's transformers forward. None (default): when the model supports it
     (Llama/Qwen2/Mistral, float32 or int8 linears); True: required (ValueError naming the reason);
     False: never. Build the drafter after quantising the model: the lean forward keeps its modules.
+
+    ``panel_kernels``: the lean forward's products and the output layer through our few-row kernels
+    (:mod:`verispec.models.panel_linear`) where they run here (default); False: PyTorch's kernels.
     """
 
     needs_target_features = False
@@ -44,6 +48,7 @@ class DraftModel:
         confidence_threshold: float | None = None,
         draft_vocab: int | torch.Tensor | None = None,  # [draft_vocab] int64 ids, or a count
         lean: bool | None = None,
+        panel_kernels: bool = True,
     ) -> None:
         self.model, self.tokenizer = unwrap_model(model, argument="DraftModel(model)")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
@@ -60,8 +65,13 @@ class DraftModel:
         self.vocab_ids, self.lm_head = reduced_lm_head(lm_head, draft_vocab, quantize=is_quantized(lm_head))
         if lean not in (None, True, False):
             raise ValueError(f"lean must be True, False or None, got {lean!r}")
+        if panel_kernels not in (True, False):
+            raise ValueError(f"panel_kernels must be True or False, got {panel_kernels!r}")
         use_lean = lean if lean is not None else lean_unsupported_reason(self.model) is None
-        self.lean_decoder = LeanDecoder.shared(self.model) if use_lean else None  # raises naming the reason if lean=True cannot work
+        # raises naming the reason if lean=True cannot work
+        self.lean_decoder = LeanDecoder.shared(self.model, panel_kernels) if use_lean else None
+        if panel_kernels:
+            self.lm_head = panel_or_same(self.lm_head)
 
     def _special_ids(self) -> list[int]:
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)

@@ -9,7 +9,9 @@ runs the SAME weight modules (float32 or int8) with fewer, larger steps:
   exact for int8: same int8 rows, same per-row scales);
 - keys/values written in place into a preallocated per-layer buffer (:class:`LayerKVCache`),
   rolled back by moving its end;
-- RMSNorm as one fused call; rotary angles computed once per step for all layers.
+- RMSNorm as one fused call; rotary angles computed once per step for all layers;
+- the products through our few-row kernels (:class:`~verispec.models.panel_linear.PanelLinear`)
+  where they run: same int8 weight rows and scales, float32 activations.
 
 The model's own modules are read, never modified or patched. It is used only where the output
 does not have to match the model bit for bit: a drafter (verification keeps the output exact
@@ -28,6 +30,7 @@ from torch import nn
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
+from verispec.models.panel_linear import panel_or_same
 from verispec.models.quantize import is_quantized, stacked_linear
 
 _FAMILIES = ("llama", "qwen2", "mistral")
@@ -77,12 +80,18 @@ class _Layer:
 
 
 class LeanDecoder:
-    """The decoder stack of ``model``, built once per model and shared by every sequence's :class:`LeanLM`."""
+    """The decoder stack of ``model``, built once per model and shared by every sequence's :class:`LeanLM`.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``panel_kernels``: run the products through :class:`~verispec.models.panel_linear.PanelLinear`
+    where the kernels run here (default), else PyTorch's (float32 or fbgemm int8) kernels.
+    """
+
+    def __init__(self, model: nn.Module, panel_kernels: bool = True) -> None:
         reason = lean_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward cannot run this model: {reason}")
+        self.panel_kernels = panel_kernels
+        fast = panel_or_same if panel_kernels else (lambda module: module)
         config = model.config.get_text_config(decoder=True)
         body = model.get_decoder()
         self.num_heads = config.num_attention_heads
@@ -95,23 +104,25 @@ class LeanDecoder:
         self.inv_freq = body.rotary_emb.inv_freq.detach().float()  # the model's own frequencies
         self.layers = [
             _Layer(
-                qkv=stacked_linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                o_proj=layer.self_attn.o_proj,
-                gate_up=stacked_linear([layer.mlp.gate_proj, layer.mlp.up_proj]),
-                down_proj=layer.mlp.down_proj,
+                qkv=fast(stacked_linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])),
+                o_proj=fast(layer.self_attn.o_proj),
+                gate_up=fast(stacked_linear([layer.mlp.gate_proj, layer.mlp.up_proj])),
+                down_proj=fast(layer.mlp.down_proj),
                 input_norm=layer.input_layernorm.weight.detach(),
                 post_attention_norm=layer.post_attention_layernorm.weight.detach(),
             )
             for layer in body.layers
         ]
+        self.source_o_proj = body.layers[0].self_attn.o_proj  # what shared() compares to see a swap
 
     @classmethod
-    def shared(cls, model: nn.Module) -> "LeanDecoder":
-        """One decoder per model object (its stacked weights are a copy: build them once), rebuilt
-        if the model's modules were swapped since (e.g. quantised in place)."""
-        decoder = _SHARED.get(model)
-        if decoder is None or decoder.layers[0].o_proj is not model.get_decoder().layers[0].self_attn.o_proj:
-            decoder = _SHARED[model] = cls(model)
+    def shared(cls, model: nn.Module, panel_kernels: bool = True) -> "LeanDecoder":
+        """One decoder per model object and kernel choice (its stacked weights are a copy: build
+        them once), rebuilt if the model's modules were swapped since (e.g. quantised in place)."""
+        decoders = _SHARED.setdefault(model, {})
+        decoder = decoders.get(panel_kernels)
+        if decoder is None or decoder.source_o_proj is not model.get_decoder().layers[0].self_attn.o_proj:
+            decoder = decoders[panel_kernels] = cls(model, panel_kernels)
         return decoder
 
     def new_cache(self) -> list[LayerKVCache]:
@@ -137,7 +148,7 @@ class LeanDecoder:
         return F.rms_norm(hidden, shape, self.norm, self.eps)
 
 
-_SHARED: "weakref.WeakKeyDictionary[nn.Module, LeanDecoder]" = weakref.WeakKeyDictionary()
+_SHARED: "weakref.WeakKeyDictionary[nn.Module, dict[bool, LeanDecoder]]" = weakref.WeakKeyDictionary()
 
 
 class LeanLM(CachedLM):

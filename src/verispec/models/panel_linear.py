@@ -1,0 +1,200 @@
+"""Few-row linear layers through our own AVX2 kernels (``panel_kernels.cpp``), for decoding on CPU.
+
+Decoding multiplies each weight by 1 row (a plain or a draft step) or by gamma+1 rows (a
+verification pass). On the 2-core AMD EPYC (2026-11-30, one-off timings of the Qwen2.5-1.5B MLP
+weight [8960, 1536], 2 threads, medians): oneDNN's packed kernel takes 1.8 / 2.9 ms for 1 / 7 rows,
+these kernels 1.4 / 2.1 ms; the 151,936-row LM head 30 / 47 ms against 27 / 34 ms. They load every
+weight element once and use it for up to 12 rows at a time, so the weight stream and the arithmetic
+overlap; that is what keeps a 7-token verification pass close to a 1-token step.
+
+The int8 variant multiplies by the same int8 weight rows and per-row scales as PyTorch's dynamic
+int8 linear but keeps the activations in float32 (fbgemm quantises them to uint8 per call): a
+draft computed this way differs in the last digits from fbgemm's, which verification tolerates
+(the output stays exact whatever the draft computes) — so it is used for drafters only.
+
+The kernel library is compiled on first use with the system C++ compiler (about a second) into the
+model cache, ``<cache>/kernels/``, keyed by a hash of the source and flags. No compiler or no AVX2:
+:func:`panel_kernels_unavailable_reason` says why and callers keep PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from verispec.models.packed_linear import PackedLinear
+from verispec.models.quantize import is_quantized
+
+_SOURCE = Path(__file__).with_name("panel_kernels.cpp")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+PANEL_WIDTH = 8  # output columns per panel; must match PANEL in panel_kernels.cpp (checked at load)
+# Up to this many rows the panel kernel runs; beyond it PyTorch's GEMM (prompt prefill). On the
+# AMD machine ours was no slower than oneDNN or MKL up to 128 rows (one-off timing); for long
+# prompts a blocked GEMM re-reads less.
+MAX_KERNEL_ROWS = 128
+# int8 weights are converted to float in registers, which costs more arithmetic per weight than
+# fbgemm's 8-bit multiply-adds: a Qwen2.5-0.5B lean draft pass took 31 / 34 / 42 / 60 ms for
+# 1 / 2 / 4 / 7 tokens with these kernels against 31 / 36 / 38 / 44 ms with fbgemm (`verispec
+# costs --threads 2`), and a 1-token step's products 20 ms against 25 ms (one-off split). So int8
+# products over more rows than this go to fbgemm.
+MAX_INT8_KERNEL_ROWS = 2
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def panel_kernels_unavailable_reason() -> str | None:
+    """Why the panel kernels cannot run here (no x86-64 AVX2/FMA CPU, no C++ compiler), or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"CPU architecture {platform.machine()} (the kernels are x86-64 AVX2)"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"this CPU lacks AVX2/FMA (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
+    if _compiler() is None:
+        return "no C++ compiler (set CXX or install g++) to build them"
+    return None
+
+
+def _kernel_dir() -> Path:
+    from verispec.models.registry import default_cache_dir
+
+    return default_cache_dir() / "kernels"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    reason = panel_kernels_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"panel kernels unavailable: {reason}")
+    compiler = _compiler()
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    target = _kernel_dir() / f"panel-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: concurrent first uses never load a half-written file.
+        with tempfile.TemporaryDirectory(dir=target.parent) as build_dir:
+            built = Path(build_dir) / target.name
+            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"building the panel kernels failed ({compiler}):\n{result.stderr[-2000:]}")
+            os.replace(built, target)
+    # torch already loaded its libgomp.so.1: the kernels' OpenMP resolves to that one runtime and pool.
+    library = ctypes.CDLL(str(target))
+    if library.verispec_panel_width() != PANEL_WIDTH:
+        raise RuntimeError(f"{target} packs {library.verispec_panel_width()} columns per panel, expected {PANEL_WIDTH}")
+    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
+    library.verispec_panel_linear_f32.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, ctypes.c_int]
+    library.verispec_panel_linear_i8.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, pointer, ctypes.c_int]
+    return library
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` # [out, in] (float32 or int8) as panels # [ceil(out/8), in, 8]: column n of panel
+    p at row k is weight[8p + n, k]; the last panel is padded with zeros."""
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.int8):
+        raise ValueError(f"weight must be a 2-D float32 or int8 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL_WIDTH)
+    padded = torch.zeros(num_panels * PANEL_WIDTH, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    return padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+
+
+def _int8_rows_and_scales(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 dynamic linear's weight rows # [out, in] int8 and per-row scales # [out] float32."""
+    weight = module.weight()
+    if weight.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        scales, zero_points = torch.full((weight.shape[0],), weight.q_scale()), torch.full((weight.shape[0],), weight.q_zero_point())
+    else:
+        scales, zero_points = weight.q_per_channel_scales(), weight.q_per_channel_zero_points()
+    if bool((zero_points != 0).any()):
+        raise ValueError("the panel kernels take symmetric int8 weights (zero point 0), as quantize_int8 makes")
+    return weight.int_repr().contiguous(), scales.float().contiguous()
+
+
+class PanelLinear(nn.Module):
+    """A float32 ``nn.Linear`` (or :class:`PackedLinear`) or an int8 dynamic linear whose products
+    over at most ``MAX_KERNEL_ROWS`` (int8: ``MAX_INT8_KERNEL_ROWS``) rows run the panel kernels;
+    more rows, gradients or other dtypes go to the layer it was built from. Float layers keep ``weight``/``bias`` as they were (state_dict keys
+    unchanged); the packed panels are a second copy of the weight."""
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        self.in_features, self.out_features = int(source.in_features), int(source.out_features)
+        self.is_int8 = is_quantized(source)
+        if self.is_int8:
+            rows, self.scale = _int8_rows_and_scales(source)
+            bias = source.bias()
+            self.source = source  # the fallback for many rows
+        elif isinstance(source, (nn.Linear, PackedLinear)) and source.weight.dtype == torch.float32:
+            rows, self.scale = source.weight.detach(), None
+            self.weight, self.bias = source.weight, source.bias  # registered: same parameters, same state_dict keys
+            bias = source.bias
+        else:
+            raise ValueError(f"PanelLinear takes a float32 nn.Linear or an int8 dynamic linear, got {type(source).__name__}")
+        self.kernel_bias = None if bias is None else bias.detach().float().contiguous()
+        self.packed = pack_panels(rows)  # [ceil(out/8), in, 8]
+        self.max_kernel_rows = MAX_INT8_KERNEL_ROWS if self.is_int8 else MAX_KERNEL_ROWS
+        _library()  # build or load now: a failure shows at model preparation, not mid-generation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
+        rows = x.numel() // self.in_features
+        if rows == 0 or rows > self.max_kernel_rows or x.dtype != torch.float32 or x.requires_grad:
+            return self.source(x) if self.is_int8 else nn.functional.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features).contiguous()
+        out = torch.empty(rows, self.out_features)
+        bias = None if self.kernel_bias is None else self.kernel_bias.data_ptr()
+        threads, library = torch.get_num_threads(), _library()
+        if self.is_int8:
+            library.verispec_panel_linear_i8(
+                flat.data_ptr(), rows, self.in_features, self.packed.data_ptr(), self.out_features, self.scale.data_ptr(), bias, out.data_ptr(), threads
+            )
+        else:
+            library.verispec_panel_linear_f32(
+                flat.data_ptr(), rows, self.in_features, self.packed.data_ptr(), self.out_features, bias, out.data_ptr(), threads
+            )
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "int8" if self.is_int8 else "float32"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, kernel up to {self.max_kernel_rows} rows"
+
+
+def panel_or_same(module: nn.Module) -> nn.Module:
+    """``module`` as a :class:`PanelLinear` if the kernels run here and it is a float32 or int8
+    linear layer; else ``module`` itself."""
+    if isinstance(module, PanelLinear) or panel_kernels_unavailable_reason() is not None:
+        return module
+    if is_quantized(module) or (isinstance(module, nn.Linear) and module.weight.dtype == torch.float32):
+        return PanelLinear(module)
+    return module
+
+
+def use_panel_kernels(model: nn.Module) -> nn.Module:
+    """Replace every float32 ``nn.Linear`` (or oneDNN :class:`PackedLinear`, whose packed copy is
+    then released) in ``model`` by :class:`PanelLinear` (in place, a module swap on this instance as
+    torch's own quantisation does; no class is modified). Raises RuntimeError naming the reason if
+    the kernels cannot run here."""
+    reason = panel_kernels_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"panel kernels unavailable: {reason}")
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) in (nn.Linear, PackedLinear) and child.weight.dtype == torch.float32
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, PanelLinear(child))
+    return model

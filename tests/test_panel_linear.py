@@ -1,0 +1,136 @@
+"""Our AVX2 few-row kernels: the numbers of nn.Linear (to rounding), the same greedy output, clear errors."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tiny_models import noisy_copy, tiny_target
+from verispec import DraftModel, SpeculativeDecoder
+from verispec.models import panel_linear, quantize_int8
+from verispec.models.packed_linear import pack_linears
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, MAX_KERNEL_ROWS, PanelLinear, pack_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
+
+needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
+
+
+def test_pack_panels_layout_and_padding():
+    weight = torch.arange(19 * 5, dtype=torch.float32).view(19, 5)  # [out 19, in 5]: 3 panels, the last padded
+    packed = pack_panels(weight)
+    assert packed.shape == (3, 5, 8)
+    for out in range(19):
+        torch.testing.assert_close(packed[out // 8, :, out % 8], weight[out], rtol=0, atol=0)
+    assert bool((packed[2, :, 3:] == 0).all())
+    assert pack_panels(weight.to(torch.int8)).dtype == torch.int8
+    with pytest.raises(ValueError, match="2-D float32 or int8"):
+        pack_panels(weight.double())
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 12, 13, 25, MAX_KERNEL_ROWS])
+@pytest.mark.parametrize("bias", [True, False])
+def test_float32_matches_a_float64_reference(rows, bias):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(67, 45, bias=bias)  # odd widths: a partial last panel, k not a multiple of the unroll
+    layer = PanelLinear(linear)
+    x = torch.randn(rows, 67)
+    reference = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
+    with torch.inference_mode():
+        out = layer(x[None])  # leading dimensions are kept
+    assert out.shape == (1, rows, 45)
+    torch.testing.assert_close(out[0].double(), reference, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_more_rows_or_gradients_use_the_layer_it_wraps():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 20)
+    layer = PanelLinear(linear)
+    many = torch.randn(MAX_KERNEL_ROWS + 1, 32)
+    torch.testing.assert_close(layer(many), linear(many), rtol=0, atol=0)  # bit for bit: the same call
+    x = torch.randn(3, 32, requires_grad=True)
+    layer(x).sum().backward()  # training still works through the float weight
+    assert x.grad is not None and linear.weight.grad is not None
+    assert set(layer.state_dict()) == {"weight", "bias"}
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", list(range(1, MAX_INT8_KERNEL_ROWS + 2)))
+def test_int8_uses_the_same_int8_rows_and_scales(rows):
+    torch.manual_seed(rows)
+    quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]
+    layer = PanelLinear(quantized)
+    weight = quantized.weight()
+    dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
+    x = torch.randn(rows, 70)
+    with torch.inference_mode():
+        out = layer(x)
+    if rows <= MAX_INT8_KERNEL_ROWS:
+        # Float activations times the exact int8 weights: far closer than fbgemm's quantised activations.
+        torch.testing.assert_close(out.double(), x.double() @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out, quantized(x), rtol=0, atol=0)
+
+
+def test_bad_layer_is_refused():
+    with pytest.raises(ValueError, match="PanelLinear takes a float32 nn.Linear"):
+        PanelLinear(torch.nn.Linear(8, 8).double())
+    assert isinstance(panel_or_same(torch.nn.Conv1d(2, 2, 1)), torch.nn.Conv1d)
+
+
+@needs_kernels
+def test_panel_target_and_draft_keep_greedy_output_and_acceptance():
+    target = tiny_target()
+    reference = SpeculativeDecoder(target, DraftModel(noisy_copy(target, 0.2), panel_kernels=False), gamma=5).generate([1, 2, 3], 40, stop=[])
+    plain = SpeculativeDecoder(target).generate([1, 2, 3], 40, stop=[])
+    fast_target = use_panel_kernels(pack_linears(tiny_target(), min_packed_rows=1))  # packed layers are swapped too
+    assert not any(type(module).__name__ in ("Linear", "PackedLinear") for module in fast_target.modules())
+    assert set(fast_target.state_dict()) == set(target.state_dict())
+    draft = quantize_int8(noisy_copy(target, 0.2))
+    drafter = DraftModel(draft)
+    assert isinstance(drafter.lm_head, PanelLinear) and isinstance(drafter.lean_decoder.layers[0].gate_up, PanelLinear)
+    result = SpeculativeDecoder(fast_target, drafter, gamma=5).generate([1, 2, 3], 40, stop=[])
+    assert result.token_ids == plain.token_ids == reference.token_ids
+    assert sum(result.stats.accepted_per_round) > 0
+    # PyTorch's kernels on request: the drafter's own modules stay the model's.
+    assert not isinstance(DraftModel(draft, panel_kernels=False).lean_decoder.layers[0].o_proj, PanelLinear)
+    with pytest.raises(ValueError, match="panel_kernels must be True or False"):
+        DraftModel(draft, panel_kernels=None)
+
+
+def test_no_compiler_is_named_and_refused(monkeypatch):
+    monkeypatch.setattr(panel_linear.shutil, "which", lambda name: None)
+    if panel_linear.platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert "no C++ compiler" in panel_kernels_unavailable_reason()
+    with pytest.raises(RuntimeError, match="panel kernels unavailable"):
+        use_panel_kernels(tiny_target())
+    linear = torch.nn.Linear(4, 4)
+    assert panel_or_same(linear) is linear  # drafters keep PyTorch's kernels
+
+
+@needs_kernels
+def test_a_failed_build_names_the_compiler_and_its_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    panel_linear._library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="building the panel kernels failed"):
+            PanelLinear(torch.nn.Linear(8, 8))
+        assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-written left to load
+    finally:
+        panel_linear._library.cache_clear()
+
+
+@needs_kernels
+def test_one_openmp_runtime_after_torch():
+    # The kernels must share torch's OpenMP pool, not start a second runtime that fights it for cores.
+    code = (
+        "import torch; from verispec.models.panel_linear import PanelLinear; PanelLinear(torch.nn.Linear(8, 8))(torch.randn(2, 8));"
+        "maps = open('/proc/self/maps').read().splitlines();"
+        "print(len({line.split()[-1] for line in maps if 'libgomp' in line}))"
+    )
+    with warnings.catch_warnings():
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1"
