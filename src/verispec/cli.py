@@ -89,14 +89,15 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: A
 
     if args.target_kernels in ("panel", "packed"):
         use_gqa_attention(target.model)
-        kernels = args.target_kernels
-        if kernels == "panel" and target.model.dtype == torch.float32 and (reason := panel_kernels_unavailable_reason()) is not None:
-            print(f"note: --target-kernels panel cannot run here ({reason}); using packed", file=sys.stderr)
-            kernels = "packed"
-        if target.model.dtype == torch.float32 and kernels == "panel":
+    if args.target_kernels in ("panel", "packed") and target.model.dtype == torch.float32:
+        reason = panel_kernels_unavailable_reason() if args.target_kernels == "panel" else None
+        if args.target_kernels == "panel" and reason is None:
             use_panel_kernels(target.model)
-        elif target.model.dtype == torch.float32 and onednn_packing_available():
-            pack_linears(target.model)
+        else:
+            if reason is not None:
+                print(f"note: --target-kernels panel cannot run here ({reason}); using packed", file=sys.stderr)
+            if onednn_packing_available():
+                pack_linears(target.model)
     if draft is not None and args.draft_quantize == "int8":
         quantize_int8(draft.model)
 
@@ -511,7 +512,7 @@ def _costs(args: argparse.Namespace) -> int:
             from verispec.drafters import DraftModel
 
             reduced = DraftModel(draft, draft_vocab=args.draft_vocab)
-            rows[f"draft int8, {len(reduced.vocab_ids)} vocab"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head, lean=lean, panel_kernels=lean and reduced.lean_decoder is not None and reduced.lean_decoder.panel_kernels)
+            rows[f"draft int8, {len(reduced.vocab_ids)} vocab"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head, lean=lean, panel_kernels=reduced.lean_decoder is not None and reduced.lean_decoder.panel_kernels)
     print(f"median ms per forward pass over N new tokens after a {args.context}-token cache ({torch.get_num_threads()} threads)")
     print(format_costs(rows))
     return 0

@@ -104,6 +104,17 @@ def fastest_min_packed_rows(layer: PackedLinear, repeats: int = 5) -> int:
     return choose_min_packed_rows(dense_s, packed_s)
 
 
+def float32_linear_sites(model: nn.Module, types: tuple[type, ...] = (nn.Linear,)) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute name, layer) for every float32 layer of exactly one of ``types`` in
+    ``model``: where a module swap puts its replacement. Listed before any swap happens."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) in types and child.weight.dtype == torch.float32
+    ]
+
+
 def pack_linears(model: nn.Module, min_packed_rows: int | None = None) -> nn.Module:
     """Replace every float32 ``nn.Linear`` in ``model`` by :class:`PackedLinear` (in place).
 
@@ -115,12 +126,7 @@ def pack_linears(model: nn.Module, min_packed_rows: int | None = None) -> nn.Mod
     if not onednn_packing_available():
         raise RuntimeError("this PyTorch build has no oneDNN (mkldnn) linear kernels")
     output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    swaps = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.float32
-    ]
+    swaps = float32_linear_sites(model)
     layers, body = [], []
     for parent, name, child in swaps:
         layer = PackedLinear(child, min_packed_rows or _ALWAYS_PACKED_FROM)

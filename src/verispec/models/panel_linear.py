@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from verispec.models.packed_linear import PackedLinear
-from verispec.models.quantize import is_quantized
+from verispec.models.packed_linear import PackedLinear, float32_linear_sites
+from verispec.models.quantize import int8_rows_and_scales, is_quantized
 
 _SOURCE = Path(__file__).with_name("panel_kernels.cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -111,30 +111,22 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
 
 
-def _int8_rows_and_scales(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int8 dynamic linear's weight rows # [out, in] int8 and per-row scales # [out] float32."""
-    weight = module.weight()
-    if weight.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-        scales, zero_points = torch.full((weight.shape[0],), weight.q_scale()), torch.full((weight.shape[0],), weight.q_zero_point())
-    else:
-        scales, zero_points = weight.q_per_channel_scales(), weight.q_per_channel_zero_points()
-    if bool((zero_points != 0).any()):
-        raise ValueError("the panel kernels take symmetric int8 weights (zero point 0), as quantize_int8 makes")
-    return weight.int_repr().contiguous(), scales.float().contiguous()
-
-
 class PanelLinear(nn.Module):
     """A float32 ``nn.Linear`` (or :class:`PackedLinear`) or an int8 dynamic linear whose products
     over at most ``MAX_KERNEL_ROWS`` (int8: ``MAX_INT8_KERNEL_ROWS``) rows run the panel kernels;
-    more rows, gradients or other dtypes go to the layer it was built from. Float layers keep ``weight``/``bias`` as they were (state_dict keys
-    unchanged); the packed panels are a second copy of the weight."""
+    more rows, gradients or other dtypes go to the layer it was built from. Float layers keep
+    ``weight``/``bias`` as they were (state_dict keys unchanged); the packed panels are a second
+    copy of the weight."""
 
     def __init__(self, source: nn.Module) -> None:
         super().__init__()
         self.in_features, self.out_features = int(source.in_features), int(source.out_features)
         self.is_int8 = is_quantized(source)
         if self.is_int8:
-            rows, self.scale = _int8_rows_and_scales(source)
+            rows, scales, zero_points = int8_rows_and_scales(source)
+            if bool((zero_points != 0).any()):
+                raise ValueError("the panel kernels take symmetric int8 weights (zero point 0), as quantize_int8 makes")
+            rows, self.scale = rows.contiguous(), scales.float().contiguous()
             bias = source.bias()
             self.source = source  # the fallback for many rows
         elif isinstance(source, (nn.Linear, PackedLinear)) and source.weight.dtype == torch.float32:
@@ -189,12 +181,6 @@ def use_panel_kernels(model: nn.Module) -> nn.Module:
     reason = panel_kernels_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"panel kernels unavailable: {reason}")
-    swaps = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) in (nn.Linear, PackedLinear) and child.weight.dtype == torch.float32
-    ]
-    for parent, name, child in swaps:
+    for parent, name, child in float32_linear_sites(model, (nn.Linear, PackedLinear)):
         setattr(parent, name, PanelLinear(child))
     return model

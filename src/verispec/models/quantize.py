@@ -48,6 +48,18 @@ def float_weight(linear: nn.Module) -> torch.Tensor:
     return linear.weight.detach().float()
 
 
+def int8_rows_and_scales(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int8 dynamic linear's exact weight rows # [out, in] int8, per-row scales # [out] float64
+    and zero points # [out] int64 (a per-tensor scale is repeated for each row)."""
+    weight = linear.weight()  # quantised [out, in]
+    if weight.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        scales = torch.full((weight.shape[0],), weight.q_scale(), dtype=torch.float64)
+        zero_points = torch.full((weight.shape[0],), weight.q_zero_point(), dtype=torch.long)
+    else:
+        scales, zero_points = weight.q_per_channel_scales().double(), weight.q_per_channel_zero_points().long()
+    return weight.int_repr(), scales, zero_points
+
+
 def stacked_linear(linears: list[nn.Module]) -> nn.Module:
     """One linear layer computing ``torch.cat([linear(x) for linear in linears], -1)`` in one product.
 
@@ -71,16 +83,7 @@ def stacked_linear(linears: list[nn.Module]) -> nn.Module:
         return stacked.requires_grad_(False)
     if not all(is_quantized(linear) for linear in linears):
         raise ValueError("stacked_linear cannot mix int8 and float layers")
-    int_rows, scales, zero_points = [], [], []
-    for linear in linears:
-        weight = linear.weight()  # quantised [out, in]
-        int_rows.append(weight.int_repr())
-        if weight.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-            scales.append(torch.full((weight.shape[0],), weight.q_scale(), dtype=torch.float64))
-            zero_points.append(torch.full((weight.shape[0],), weight.q_zero_point(), dtype=torch.long))
-        else:
-            scales.append(weight.q_per_channel_scales().double())
-            zero_points.append(weight.q_per_channel_zero_points().long())
+    int_rows, scales, zero_points = zip(*(int8_rows_and_scales(linear) for linear in linears))
     weight = torch._make_per_channel_quantized_tensor(torch.cat(int_rows), torch.cat(scales), torch.cat(zero_points), 0)
     stacked = torch.ao.nn.quantized.dynamic.Linear(weight.shape[1], weight.shape[0], bias_=bias is not None, dtype=torch.qint8)
     stacked.set_weight_bias(weight, bias)
