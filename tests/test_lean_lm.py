@@ -13,8 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from verispec.drafters import DraftModel
 from verispec.engine import SpeculativeDecoder
 from verispec.engine.cached_lm import CachedLM
-from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_unsupported_reason
+from verispec.engine.lean_lm import LeanDecoder, LeanLM, _FusedStack, lean_unsupported_reason
 from verispec.models import quantize_int8
+from verispec.models.panel_linear import panel_kernels_unavailable_reason
 from verispec.models.quantize import stacked_linear
 from verispec.sampling import SamplingParams
 
@@ -82,9 +83,11 @@ def test_stacked_linear_equals_the_separate_layers():
 def test_draft_model_uses_the_lean_forward_and_decoding_stays_exact():
     target = tiny_target()
     draft = quantize_int8(noisy_copy(target, noise=0.1))
-    lean, framework = DraftModel(draft), DraftModel(draft, lean=False)
+    # fbgemm's kernels on both sides (the panel kernels may quantise activations per row, where the
+    # CPU has 8-bit dot products, so their drafts can differ in rounding: exactness is checked below).
+    lean, framework = DraftModel(draft, panel_kernels=False), DraftModel(draft, lean=False)
     assert lean.lean_decoder is not None and framework.lean_decoder is None
-    assert DraftModel(draft).lean_decoder is lean.lean_decoder  # stacked weights built once per model
+    assert DraftModel(draft, panel_kernels=False).lean_decoder is lean.lean_decoder  # stacked weights built once per model
     prompt = [6, 1, 7, 3]
     for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=4)):
         results = [SpeculativeDecoder(target, drafter, gamma=4).generate(prompt, 40, sampling, stop=[]) for drafter in (lean, framework)]
@@ -92,7 +95,8 @@ def test_draft_model_uses_the_lean_forward_and_decoding_stays_exact():
         assert results[0].token_ids == results[1].token_ids
         assert results[0].stats.num_accepted == results[1].stats.num_accepted > 0
     plain = SpeculativeDecoder(target).generate(prompt, 40, stop=[]).token_ids
-    assert SpeculativeDecoder(target, lean, gamma=4).generate(prompt, 40, stop=[]).token_ids == plain
+    for drafter in (lean, DraftModel(draft)):  # the default: panel kernels where they run
+        assert SpeculativeDecoder(target, drafter, gamma=4).generate(prompt, 40, stop=[]).token_ids == plain
 
 
 def test_models_the_lean_forward_cannot_run_fall_back_or_are_refused_by_name():
@@ -119,3 +123,40 @@ def test_shared_decoder_is_rebuilt_after_the_model_is_quantised_in_place():
     quantize_int8(model)
     after = LeanDecoder.shared(model)
     assert after is not before and after.source_o_proj is model.model.layers[0].self_attn.o_proj
+
+
+needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_one_call_stack_step_matches_the_op_by_op_forward(family, monkeypatch):
+    # The kernel library's whole-stack step (verispec_lean_stack) against the same decoder run op by
+    # op, int8 as the draft runs (float32 is checked against the model's own forward above).
+    model = quantize_int8(tiny_target() if family == "qwen2" else tiny_llama())
+    fused, op_by_op = LeanDecoder(model), LeanDecoder(model)
+    op_by_op.fused = None
+    assert fused.fused is not None and fused.fused.max_rows == fused.layers[0].qkv.max_kernel_rows
+    calls = []
+    real_call = _FusedStack.__call__
+    monkeypatch.setattr(_FusedStack, "__call__", lambda self, *args: calls.append(len(args[0])) or real_call(self, *args))
+    for want, have in zip(replay(LeanLM(model, op_by_op)), replay(LeanLM(model, fused))):
+        torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+    assert calls and max(calls) <= fused.fused.max_rows  # the few-row steps went through it; wider blocks did not
+
+
+@needs_kernels
+def test_one_call_stack_step_grows_the_kv_buffers_it_writes():
+    # Past the first 256 positions the caches are reallocated between calls; keys written by the
+    # kernel before must survive the move (float32: compared with the model's own forward).
+    model = tiny_llama()
+    decoder = LeanDecoder(model)
+    assert decoder.fused is not None and decoder.fused.max_rows == 128
+    lean, reference = LeanLM(model, decoder), CachedLM(model)
+    ids = [int(token) for token in torch.randint(3, 90, (300,), generator=torch.Generator().manual_seed(0))]
+    for lm in (lean, reference):
+        lm.extend(ids[:250], num_logits=1)
+    for position in range(250, 300, 10):
+        block = ids[position : position + 10]
+        torch.testing.assert_close(lean.extend(block, num_logits=10).logits, reference.extend(block, num_logits=10).logits, atol=1e-4, rtol=1e-4)
+    assert lean.cache[0].keys.shape[1] == 512 and lean.cache[0].length == 300

@@ -10,7 +10,7 @@ from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
 from verispec.models.packed_linear import pack_linears
-from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, MAX_KERNEL_ROWS, PanelLinear, pack_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
 
 needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
@@ -55,22 +55,45 @@ def test_more_rows_or_gradients_use_the_layer_it_wraps():
     assert set(layer.state_dict()) == {"weight", "bias"}
 
 
+def row_quantized(x: torch.Tensor) -> torch.Tensor:
+    """x # [rows, in] as the VNNI kernel sees it: round(x / s) * s, s = max|row| / 127 (float64)."""
+    scale = x.double().abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(x.double() / scale) * scale
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", list(range(1, MAX_INT8_KERNEL_ROWS + 2)))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, MAX_VNNI_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS + 1])
 def test_int8_uses_the_same_int8_rows_and_scales(rows):
     torch.manual_seed(rows)
-    quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]
+    quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]  # widths off every vector multiple
     layer = PanelLinear(quantized)
+    assert layer.max_kernel_rows == (MAX_VNNI_KERNEL_ROWS if int8_uses_vnni() else MAX_INT8_KERNEL_ROWS)
     weight = quantized.weight()
     dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
     x = torch.randn(rows, 70)
     with torch.inference_mode():
         out = layer(x)
-    if rows <= MAX_INT8_KERNEL_ROWS:
+    if rows > layer.max_kernel_rows:
+        torch.testing.assert_close(out, quantized(x), rtol=0, atol=0)
+    elif int8_uses_vnni():
+        # 8-bit activations, one scale per row, times the exact int8 weights: exact integer sums.
+        torch.testing.assert_close(out.double(), row_quantized(x) @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+    else:
         # Float activations times the exact int8 weights: far closer than fbgemm's quantised activations.
         torch.testing.assert_close(out.double(), x.double() @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
-    else:
-        torch.testing.assert_close(out, quantized(x), rtol=0, atol=0)
+
+
+def test_vnni_panels_hold_each_column_four_inputs_at_a_time():
+    weight = torch.arange(-60, 60, dtype=torch.int8)[torch.randperm(120, generator=torch.Generator().manual_seed(0))].view(12, 10)
+    packed, colsum = pack_vnni_panels(weight)
+    assert packed.shape == (2, 3, 8, 4) and packed.dtype == torch.int8
+    for out_index in range(16):
+        for in_index in range(12):
+            want = int(weight[out_index, in_index]) if out_index < 12 and in_index < 10 else 0  # zero padding
+            assert int(packed[out_index // 8, in_index // 4, out_index % 8, in_index % 4]) == want
+    assert torch.equal(colsum, weight.sum(dim=1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="2-D int8"):
+        pack_vnni_panels(weight.float())
 
 
 def test_bad_layer_is_refused():
@@ -113,13 +136,13 @@ def test_no_compiler_is_named_and_refused(monkeypatch):
 def test_a_failed_build_names_the_compiler_and_its_error(tmp_path, monkeypatch):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    panel_linear._library.cache_clear()
+    panel_linear.panel_library.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="building the panel kernels failed"):
             PanelLinear(torch.nn.Linear(8, 8))
         assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-written left to load
     finally:
-        panel_linear._library.cache_clear()
+        panel_linear.panel_library.cache_clear()
 
 
 @needs_kernels

@@ -35,7 +35,7 @@ def _add_sampling_options(sub: argparse.ArgumentParser) -> None:
 
 def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
-    sub.add_argument("--target-kernels", choices=["panel", "packed", "dense"], default="panel", help="panel (default): our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second), which keep a 7-token verification pass close to a 1-token step; packed: oneDNN-packed weights instead; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
+    sub.add_argument("--target-kernels", choices=["auto", "panel", "packed", "dense"], default="auto", help="auto (default): time panel against packed on the target's own weights when it is prepared (about two seconds) and keep the faster here, which differs by CPU (see Performance); panel: our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second); packed: oneDNN-packed weights; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     sub.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft model: draft over the first N token ids plus the special ones only (byte-level BPE numbers tokens by merge order, roughly by frequency), so a draft step multiplies by N LM-head rows instead of all; 0 = the full vocabulary (default). Exact either way")
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE or parallel head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
@@ -84,20 +84,26 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: A
 
     from verispec.models import quantize_int8
     from verispec.models.gqa_attention import use_gqa_attention
+    from verispec.models.kernel_choice import fastest_target_kernels
     from verispec.models.packed_linear import onednn_packing_available, pack_linears
     from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 
-    if args.target_kernels in ("panel", "packed"):
+    kernels = args.target_kernels
+    if kernels != "dense":
         use_gqa_attention(target.model)
-    if args.target_kernels in ("panel", "packed") and target.model.dtype == torch.float32:
-        reason = panel_kernels_unavailable_reason() if args.target_kernels == "panel" else None
-        if args.target_kernels == "panel" and reason is None:
+    if kernels != "dense" and target.model.dtype == torch.float32:
+        reason = panel_kernels_unavailable_reason()
+        if kernels == "auto" and (reason is None or onednn_packing_available()):
+            choice = fastest_target_kernels(target.model)
+            print(f"verispec: target kernels: {choice.summary()}", file=sys.stderr)
+            kernels = choice.name
+        elif kernels == "panel" and reason is not None:
+            print(f"note: --target-kernels panel cannot run here ({reason}); using packed", file=sys.stderr)
+            kernels = "packed"
+        if kernels == "panel":
             use_panel_kernels(target.model)
-        else:
-            if reason is not None:
-                print(f"note: --target-kernels panel cannot run here ({reason}); using packed", file=sys.stderr)
-            if onednn_packing_available():
-                pack_linears(target.model)
+        elif kernels == "packed" and onednn_packing_available():
+            pack_linears(target.model)
     if draft is not None and args.draft_quantize == "int8":
         quantize_int8(draft.model)
 
@@ -454,6 +460,7 @@ def _costs(args: argparse.Namespace) -> int:
     from verispec.bench.costs import format_costs, forward_costs
     from verispec.models import load_model, quantize_int8
     from verispec.models.gqa_attention import use_gqa_attention
+    from verispec.models.kernel_choice import fastest_target_kernels
     from verispec.models.packed_linear import PackedLinear, onednn_packing_available, pack_linears
     from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 
@@ -473,14 +480,17 @@ def _costs(args: argparse.Namespace) -> int:
         head_path = None
     rows = {}
     target = load_model(args.target, cache_dir=args.cache_dir)
-    rows["target dense"] = forward_costs(target.model, args.context, counts, args.repeats)
-    if onednn_packing_available() and target.model.dtype == torch.float32:
+    float32 = target.model.dtype == torch.float32
+    auto = fastest_target_kernels(target.model).name if float32 and (onednn_packing_available() or panel_kernels_unavailable_reason() is None) else "dense"
+    mark = {auto: " (auto's choice here)"}
+    rows["target dense" + mark.get("dense", "")] = forward_costs(target.model, args.context, counts, args.repeats)
+    if onednn_packing_available() and float32:
         packed = use_gqa_attention(pack_linears(target.model))
         from_rows = next(module.min_packed_rows for module in packed.modules() if isinstance(module, PackedLinear))
-        rows[f"target packed (from {from_rows} rows)"] = forward_costs(packed, args.context, counts, args.repeats)
-    if panel_kernels_unavailable_reason() is None and target.model.dtype == torch.float32:
+        rows[f"target packed (from {from_rows} rows)" + mark.get("packed", "")] = forward_costs(packed, args.context, counts, args.repeats)
+    if panel_kernels_unavailable_reason() is None and float32:
         # Swapping the packed layers releases their oneDNN copy: never three copies of the weights.
-        rows["target panel (default)"] = forward_costs(use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
+        rows["target panel" + mark.get("panel", "")] = forward_costs(use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
     if head_path is not None:
         from verispec.bench.costs import eagle_costs
         from verispec.drafters.eagle import EagleDrafter

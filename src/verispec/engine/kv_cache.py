@@ -20,17 +20,25 @@ class LayerKVCache:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new keys/values # [kv_heads, n, head_dim]; return all of them up to the new end."""
-        end = self.length + keys.shape[1]
+        start = self.length
+        all_keys, all_values = self.claim(keys.shape[1], keys.shape[0], keys.shape[2], keys.dtype)
+        all_keys[:, start:] = keys
+        all_values[:, start:] = values
+        return all_keys, all_values
+
+    def claim(self, num_new: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move the end ``num_new`` positions on (growing the buffers if needed) for a caller that
+        writes those keys/values itself; return the keys/values up to the new end # [kv_heads, end, head_dim]
+        (views of the buffers, whose capacity is ``self.keys.shape[1]``)."""
+        end = self.length + num_new
         if self.keys is None or end > self.keys.shape[1]:
             capacity = max(end, 2 * (0 if self.keys is None else self.keys.shape[1]), 256)
-            grown_k = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
-            grown_v = values.new_empty(grown_k.shape)
+            grown_k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype)
+            grown_v = torch.empty_like(grown_k)
             if self.keys is not None:
                 grown_k[:, : self.length] = self.keys[:, : self.length]
                 grown_v[:, : self.length] = self.values[:, : self.length]
             self.keys, self.values = grown_k, grown_v
-        self.keys[:, self.length : end] = keys
-        self.values[:, self.length : end] = values
         self.length = end
         return self.keys[:, :end], self.values[:, :end]
 

@@ -37,6 +37,9 @@ from verispec.models.quantize import int8_rows_and_scales, is_quantized
 
 _SOURCE = Path(__file__).with_name("panel_kernels.cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# 8-bit dot products where the CPU has them: the int8 kernels then multiply int8 weights by 8-bit
+# activations (the VNNI layout) instead of converting weights to float.
+_VNNI_FLAGS = {"avx_vnni": ["-mavxvnni"], "avx512_vnni": ["-mavx512vnni", "-mavx512vl"]}
 PANEL_WIDTH = 8  # output columns per panel; must match PANEL in panel_kernels.cpp (checked at load)
 # Up to this many rows the panel kernel runs; beyond it PyTorch's GEMM (prompt prefill). On the
 # AMD machine ours was no slower than oneDNN or MKL up to 128 rows (one-off timing); for long
@@ -48,10 +51,33 @@ MAX_KERNEL_ROWS = 128
 # costs --threads 2`), and a 1-token step's products 20 ms against 25 ms (one-off split). So int8
 # products over more rows than this go to fbgemm.
 MAX_INT8_KERNEL_ROWS = 2
+# With 8-bit dot products (VNNI) the int8 kernel stays memory-bound over more rows.
+MAX_VNNI_KERNEL_ROWS = 16
 
 
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _machine_flags() -> list[str]:
+    """Compiler flags for this CPU beyond AVX2/FMA: 8-bit dot products if it has them
+    (AVX-VNNI first; AVX512-VNNI needs AVX512-VL for its 256-bit form)."""
+    cpu = _cpu_flags()
+    if "avx_vnni" in cpu:
+        return _VNNI_FLAGS["avx_vnni"]
+    if {"avx512_vnni", "avx512vl"} <= cpu:
+        return _VNNI_FLAGS["avx512_vnni"]
+    return []
 
 
 def panel_kernels_unavailable_reason() -> str | None:
@@ -72,20 +98,22 @@ def _kernel_dir() -> Path:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
+def panel_library() -> ctypes.CDLL:
+    """The compiled kernels (built on first use); RuntimeError naming the reason if they cannot run here."""
     reason = panel_kernels_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"panel kernels unavailable: {reason}")
     compiler = _compiler()
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    flags = [*_FLAGS, *_machine_flags()]  # built per machine: part of the key
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = _kernel_dir() / f"panel-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: concurrent first uses never load a half-written file.
         with tempfile.TemporaryDirectory(dir=target.parent) as build_dir:
             built = Path(build_dir) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"building the panel kernels failed ({compiler}):\n{result.stderr[-2000:]}")
             os.replace(built, target)
@@ -95,8 +123,29 @@ def _library() -> ctypes.CDLL:
         raise RuntimeError(f"{target} packs {library.verispec_panel_width()} columns per panel, expected {PANEL_WIDTH}")
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
     library.verispec_panel_linear_f32.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, ctypes.c_int]
-    library.verispec_panel_linear_i8.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, pointer, ctypes.c_int]
+    library.verispec_panel_linear_i8.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, pointer, pointer, ctypes.c_int]
+    library.verispec_lean_stack.argtypes = [
+        pointer, pointer, ctypes.c_float, ctypes.c_int, int64, int64, *[pointer] * 11, ctypes.c_int
+    ]
     return library
+
+
+def int8_uses_vnni() -> bool:
+    """Whether the kernels built here take int8 weights in the VNNI layout (8-bit dot products)."""
+    return bool(panel_library().verispec_int8_layout())
+
+
+def pack_vnni_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ``weight`` # [out, in] as VNNI panels # [ceil(out/8), ceil(in/4), 8, 4] (byte i of column
+    n of panel p in group g is weight[8p + n, 4g + i]; padding is zero) and its row sums # [out] int32."""
+    if weight.dim() != 2 or weight.dtype != torch.int8:
+        raise ValueError(f"weight must be a 2-D int8 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    num_panels, num_groups = -(-out_features // PANEL_WIDTH), -(-in_features // 4)
+    padded = torch.zeros(num_panels * PANEL_WIDTH, num_groups * 4, dtype=torch.int8)
+    padded[:out_features, :in_features] = weight
+    packed = padded.view(num_panels, PANEL_WIDTH, num_groups, 4).transpose(1, 2).contiguous()
+    return packed, weight.sum(dim=1, dtype=torch.int32).contiguous()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -136,9 +185,14 @@ class PanelLinear(nn.Module):
         else:
             raise ValueError(f"PanelLinear takes a float32 nn.Linear or an int8 dynamic linear, got {type(source).__name__}")
         self.kernel_bias = None if bias is None else bias.detach().float().contiguous()
-        self.packed = pack_panels(rows)  # [ceil(out/8), in, 8]
-        self.max_kernel_rows = MAX_INT8_KERNEL_ROWS if self.is_int8 else MAX_KERNEL_ROWS
-        _library()  # build or load now: a failure shows at model preparation, not mid-generation
+        panel_library()  # build or load now: a failure shows at model preparation, not mid-generation
+        self.colsum = None
+        if self.is_int8 and int8_uses_vnni():
+            self.packed, self.colsum = pack_vnni_panels(rows)  # [ceil(out/8), ceil(in/4), 8, 4], [out]
+            self.max_kernel_rows = MAX_VNNI_KERNEL_ROWS
+        else:
+            self.packed = pack_panels(rows)  # [ceil(out/8), in, 8]
+            self.max_kernel_rows = MAX_INT8_KERNEL_ROWS if self.is_int8 else MAX_KERNEL_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
         rows = x.numel() // self.in_features
@@ -147,10 +201,11 @@ class PanelLinear(nn.Module):
         flat = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(rows, self.out_features)
         bias = None if self.kernel_bias is None else self.kernel_bias.data_ptr()
-        threads, library = torch.get_num_threads(), _library()
+        threads, library = torch.get_num_threads(), panel_library()
         if self.is_int8:
             library.verispec_panel_linear_i8(
-                flat.data_ptr(), rows, self.in_features, self.packed.data_ptr(), self.out_features, self.scale.data_ptr(), bias, out.data_ptr(), threads
+                flat.data_ptr(), rows, self.in_features, self.packed.data_ptr(), self.out_features, self.scale.data_ptr(),
+                None if self.colsum is None else self.colsum.data_ptr(), bias, out.data_ptr(), threads,
             )
         else:
             library.verispec_panel_linear_f32(
@@ -159,7 +214,7 @@ class PanelLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kind = "int8" if self.is_int8 else "float32"
+        kind = ("int8, 8-bit dot products" if self.colsum is not None else "int8") if self.is_int8 else "float32"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, kernel up to {self.max_kernel_rows} rows"
 
 

@@ -1,0 +1,109 @@
+"""Which kernels run the target's products on this machine: timed on its own weights, not assumed.
+
+The fastest few-row float32 kernel depends on the CPU, and the gap decides both the plain step and
+what a verification pass costs (`verispec costs --threads 2`, Qwen2.5-Coder-1.5B, 300-token cache):
+on a 2-core AMD EPYC (AVX2, 2026-11-30) our panel kernels took 176 ms for 1 token and 289 ms for 7
+against 226 / 467 ms oneDNN-packed; on a 2-core Xeon with AVX-512 (2026-11-30, a later session)
+oneDNN-packed took 265 / 331 ms against 318 / 563 ms. So ``--target-kernels auto`` (the default)
+times both once, when the target is prepared, and keeps the faster.
+
+What is timed: a sweep over several of the model's largest body weights (more bytes than a
+last-level cache holds, so the weights stream from memory as in a real pass), for 1 row (a decoding
+step) and ``gamma+1``-like rows (a verification pass); medians of a few sweeps, the kernels
+interleaved so machine noise hits both alike. A second copy of the swept weights exists only while
+timing (~0.8 GB for the 1.5B target; about two seconds in all).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from verispec.models.packed_linear import PackedLinear, float32_linear_sites, onednn_packing_available
+from verispec.models.panel_linear import PanelLinear, panel_kernels_unavailable_reason
+
+TIMED_ROWS = (1, 8)  # a decoding step; a verification pass of gamma+1 = 8 tokens (gamma 6-8 is typical)
+# Larger than the last-level caches seen here (32 MiB on the EPYC, 260 MiB on the Xeon).
+SWEEP_BYTES = 768 << 20
+
+
+@dataclass
+class KernelChoice:
+    """The chosen kernel family and what was measured (seconds per sweep by row count; empty if
+    only one family could run here, so nothing was timed)."""
+
+    name: str  # "panel" or "packed"
+    seconds: dict[str, dict[int, float]] = field(default_factory=dict)
+    num_weights: int = 0
+
+    def summary(self) -> str:
+        if not self.seconds:
+            return f"{self.name} (the only kernels that run here)"
+        rows = " / ".join(str(count) for count in TIMED_ROWS)
+        timings = ", ".join(f"{name} " + " / ".join(f"{1e3 * self.seconds[name][count]:.1f}" for count in TIMED_ROWS) for name in self.seconds)
+        return f"{self.name} (timed here over {self.num_weights} of the model's weights, ms for {rows} rows: {timings})"
+
+
+def sweep_weights(model: nn.Module, min_bytes: int = SWEEP_BYTES) -> list[nn.Linear]:
+    """The model's largest float32 body linears (never its output layer), largest first, until
+    together they hold ``min_bytes`` (or all of them, for a small model)."""
+    if min_bytes < 1:
+        raise ValueError(f"min_bytes must be >= 1, got {min_bytes}")
+    output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = sorted((child for _, _, child in float32_linear_sites(model) if child is not output_layer), key=lambda layer: -layer.weight.numel())
+    chosen, total = [], 0
+    for layer in linears:
+        if total >= min_bytes:
+            break
+        chosen.append(layer)
+        total += layer.weight.numel() * 4
+    return chosen
+
+
+def time_sweeps(kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]], in_features: list[int], repeats: int = 3) -> dict[str, dict[int, float]]:
+    """Median seconds of one sweep (every callable of a kernel family once, in order) per row count
+    in ``TIMED_ROWS``; ``in_features[i]`` is the input width of the i-th callable."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    times: dict[str, dict[int, list[float]]] = {name: {rows: [] for rows in TIMED_ROWS} for name in kernels}
+    with torch.inference_mode():
+        for rows in TIMED_ROWS:
+            inputs = [torch.randn(rows, width) for width in in_features]
+            for attempt in range(repeats + 1):  # the first sweep warms up (allocations, kernel selection)
+                for name, layers in kernels.items():
+                    started = time.perf_counter()
+                    for layer, x in zip(layers, inputs):
+                        layer(x)
+                    if attempt:
+                        times[name][rows].append(time.perf_counter() - started)
+    return {name: {rows: statistics.median(ts) for rows, ts in by_rows.items()} for name, by_rows in times.items()}
+
+
+def fastest_target_kernels(model: nn.Module, min_bytes: int = SWEEP_BYTES, repeats: int = 3) -> KernelChoice:
+    """Time the panel kernels against oneDNN-packed weights on ``model``'s own weights and choose the
+    one with the smaller total over ``TIMED_ROWS`` (a step and a verification pass weigh alike).
+    Only one family available here: that one, untimed. Neither: RuntimeError."""
+    candidates = []
+    if panel_kernels_unavailable_reason() is None:
+        candidates.append("panel")
+    if onednn_packing_available():
+        candidates.append("packed")
+    if not candidates:
+        raise RuntimeError(f"neither panel kernels ({panel_kernels_unavailable_reason()}) nor oneDNN packing run here")
+    weights = sweep_weights(model, min_bytes)
+    if len(candidates) == 1 or not weights:
+        return KernelChoice(candidates[0])
+    with torch.no_grad():
+        kernels = {
+            "panel": [PanelLinear(linear) for linear in weights],
+            "packed": [PackedLinear(linear, min_packed_rows=1) for linear in weights],
+        }
+    seconds = time_sweeps(kernels, [linear.in_features for linear in weights], repeats)
+    del kernels  # the second copies go before the model's real conversion makes its own
+    name = min(seconds, key=lambda kernel: sum(seconds[kernel].values()))
+    return KernelChoice(name, seconds, len(weights))
