@@ -240,3 +240,12 @@ def test_serve_options_set_the_monitor_floor_and_window(capsys):
         with pytest.raises(SystemExit):
             main(["serve", option, value])
         assert option in capsys.readouterr().err
+
+
+def test_target_kernels_auto_says_what_it_picked(tiny_gguf, capsys):
+    assert main(["generate", "--target", tiny_gguf, "--drafter", "none", "--max-new-tokens", "4", "--raw", "hello"]) == 0
+    err = capsys.readouterr().err
+    if panel_kernels_unavailable_reason() is None:
+        assert "target kernels: panel (timed here" in err or "target kernels: packed (timed here" in err
+    assert main(["generate", "--target", tiny_gguf, "--drafter", "none", "--max-new-tokens", "4", "--raw", "--target-kernels", "dense", "hello"]) == 0
+    assert "target kernels:" not in capsys.readouterr().err  # an explicit choice is not timed

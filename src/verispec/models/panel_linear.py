@@ -12,9 +12,17 @@ int8 linear but keeps the activations in float32 (fbgemm quantises them to uint8
 draft computed this way differs in the last digits from fbgemm's, which verification tolerates
 (the output stays exact whatever the draft computes) — so it is used for drafters only.
 
+Where the CPU has 8-bit dot products (AVX-VNNI, or AVX512-VNNI with VL) the library is built with
+them and int8 weights are packed for them (:func:`pack_vnni_panels`): activations are quantised
+per row to 8 bits, as fbgemm does, and one instruction sums 32 weight-activation products. On a
+2-core Xeon (2026-11-30, one-off timings) the 151,936-row int8 LM head took 5.8 ms that way against
+11.5 ms converting weights to float (fbgemm: 4.9 ms), and a whole 1-token lean draft step 29 ms
+against 41 ms with fbgemm op by op (``verispec_lean_stack``, see ``engine/lean_lm.py``).
+
 The kernel library is compiled on first use with the system C++ compiler (about a second) into the
-model cache, ``<cache>/kernels/``, keyed by a hash of the source and flags. No compiler or no AVX2:
-:func:`panel_kernels_unavailable_reason` says why and callers keep PyTorch's kernels.
+model cache, ``<cache>/kernels/``, keyed by a hash of the source and flags (the flags depend on the
+CPU). No compiler or no AVX2: :func:`panel_kernels_unavailable_reason` says why and callers keep
+PyTorch's kernels.
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""--target-kernels auto: which weights are timed, how the pick is made, and what the CLI does with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_target
+
+from verispec.models import kernel_choice
+from verispec.models.kernel_choice import TIMED_ROWS, KernelChoice, fastest_target_kernels, sweep_weights, time_sweeps
+from verispec.models.packed_linear import onednn_packing_available
+from verispec.models.panel_linear import panel_kernels_unavailable_reason
+
+both_kernels = pytest.mark.skipif(
+    panel_kernels_unavailable_reason() is not None or not onednn_packing_available(), reason="needs the panel kernels and oneDNN packing"
+)
+
+
+def test_sweep_takes_the_largest_body_weights_never_the_output_layer():
+    model = tiny_target()
+    everything = sweep_weights(model, min_bytes=1 << 40)  # more than the model holds: every body linear
+    assert model.lm_head not in everything and len(everything) == 7 * model.config.num_hidden_layers
+    sizes = [layer.weight.numel() for layer in everything]
+    assert sizes == sorted(sizes, reverse=True)
+    one = sweep_weights(model, min_bytes=1)
+    assert one == everything[:1]
+    enough = sweep_weights(model, min_bytes=sizes[0] * 4 + 1)  # just over one weight's bytes: two weights
+    assert enough == everything[:2]
+    with pytest.raises(ValueError, match="min_bytes"):
+        sweep_weights(model, min_bytes=0)
+
+
+def test_sweeps_are_timed_per_row_count_for_every_kernel():
+    calls = {"a": [], "b": []}
+    kernels = {name: [lambda x, name=name: calls[name].append(x.shape)] * 2 for name in calls}
+    seconds = time_sweeps(kernels, in_features=[5, 5], repeats=2)
+    assert set(seconds) == {"a", "b"} and all(set(by_rows) == set(TIMED_ROWS) for by_rows in seconds.values())
+    # (1 warm-up + 2 timed sweeps) x 2 weights per row count, with inputs of the right shape
+    assert calls["a"] == [(rows, 5) for rows in TIMED_ROWS for _ in range(3 * 2)]
+    with pytest.raises(ValueError, match="repeats"):
+        time_sweeps(kernels, in_features=[5, 5], repeats=0)
+
+
+@both_kernels
+def test_the_pick_is_the_smaller_total_over_the_timed_rows(monkeypatch):
+    fake = {"panel": {1: 1.0, 8: 5.0}, "packed": {1: 2.0, 8: 3.0}}  # panel wins a step, packed the total
+    monkeypatch.setattr(kernel_choice, "time_sweeps", lambda kernels, in_features, repeats: fake)
+    choice = fastest_target_kernels(tiny_target())
+    assert choice.name == "packed" and choice.seconds == fake and choice.num_weights > 0
+    assert "packed (timed here" in choice.summary() and "panel 1000.0 / 5000.0" in choice.summary()
+
+
+@both_kernels
+def test_a_real_timing_on_a_tiny_model_picks_one_of_the_two():
+    choice = fastest_target_kernels(tiny_target(), repeats=1)
+    assert choice.name in ("panel", "packed") and set(choice.seconds) == {"panel", "packed"}
+    assert all(seconds > 0 for by_rows in choice.seconds.values() for seconds in by_rows.values())
+
+
+def test_one_family_available_is_taken_untimed_and_none_is_refused(monkeypatch):
+    monkeypatch.setattr(kernel_choice, "panel_kernels_unavailable_reason", lambda: "no C++ compiler")
+    monkeypatch.setattr(kernel_choice, "onednn_packing_available", lambda: True)
+    monkeypatch.setattr(kernel_choice, "time_sweeps", lambda *args: pytest.fail("nothing to compare: must not time"))
+    choice = fastest_target_kernels(tiny_target())
+    assert choice == KernelChoice("packed") and "the only kernels that run here" in choice.summary()
+    monkeypatch.setattr(kernel_choice, "onednn_packing_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        fastest_target_kernels(tiny_target())
