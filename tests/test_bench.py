@@ -69,6 +69,9 @@ def test_bench_end_to_end_writes_results_report_and_plots(tiny_gguf, prompts_fil
         assert key in results
     assert results["partial"] is False and results["command"].startswith("verispec bench --target")
     assert results["settings"]["methods"] == methods and results["settings"]["max_new_tokens"] == 8
+    # which kernels ran is part of what was measured: auto's pick with its timings, or dense
+    assert results["settings"]["target_kernels"].startswith(("auto: panel (", "auto: packed (", "dense ("))
+    assert results["settings"]["draft_kernels"].startswith(("panel, int8", "torch ("))  # --draft-quantize int8 is the default
     for key in ["cpu", "logical_cpus", "torch_threads", "torch", "transformers"]:
         assert key in results["machine"]
     assert [p["id"] for p in results["prompts"]] == ["rep", "chat", "line-3"]

@@ -79,7 +79,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--draft-attention {args.draft_attention} changes the EAGLE head's attention: it needs --drafter eagle")
 
 
-def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: ANN001 - LoadedModels
+def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: ANN001 - LoadedModels
+    """Apply the kernel and quantisation options in place; return which target kernels run (and why)."""
     import torch
 
     from verispec.models import quantize_int8
@@ -89,23 +90,43 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> None:  # noqa: A
     from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 
     kernels = args.target_kernels
+    used = kernels
     if kernels != "dense":
         use_gqa_attention(target.model)
-    if kernels != "dense" and target.model.dtype == torch.float32:
+    if kernels != "dense" and target.model.dtype != torch.float32:
+        used = f"dense (the target is {target.model.dtype}; the few-row kernels are float32)"
+    elif kernels != "dense":
         reason = panel_kernels_unavailable_reason()
         if kernels == "auto" and (reason is None or onednn_packing_available()):
             choice = fastest_target_kernels(target.model)
             print(f"verispec: target kernels: {choice.summary()}", file=sys.stderr)
-            kernels = choice.name
+            kernels, used = choice.name, f"auto: {choice.summary()}"
         elif kernels == "panel" and reason is not None:
             print(f"note: --target-kernels panel cannot run here ({reason}); using packed", file=sys.stderr)
-            kernels = "packed"
+            kernels, used = "packed", f"packed (panel cannot run here: {reason})"
         if kernels == "panel":
             use_panel_kernels(target.model)
         elif kernels == "packed" and onednn_packing_available():
             pack_linears(target.model)
+        elif kernels != "dense":
+            used = "dense (neither the panel kernels nor oneDNN packing run here)"
     if draft is not None and args.draft_quantize == "int8":
         quantize_int8(draft.model)
+    return used
+
+
+def _draft_kernels_used(args: argparse.Namespace) -> str:
+    """--draft-kernels as it runs here: whether int8 products take 8-bit dot products (VNNI)."""
+    from verispec.models.panel_linear import int8_uses_vnni, panel_kernels_unavailable_reason
+
+    if args.draft_kernels != "panel":
+        return args.draft_kernels
+    reason = panel_kernels_unavailable_reason()
+    if reason is not None:
+        return f"torch (panel kernels cannot run here: {reason})"
+    if getattr(args, "draft_quantize", "int8") != "int8":
+        return "panel, float32"
+    return "panel, int8 with 8-bit dot products (VNNI)" if int8_uses_vnni() else "panel, int8 converted to float32"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -601,7 +622,7 @@ def _bench(args: argparse.Namespace) -> int:
     loading = time.perf_counter()
     target = load_model(args.target, cache_dir=args.cache_dir)
     draft = load_model(args.draft, cache_dir=args.cache_dir) if needs_draft else None
-    _prepare_models(args, target, draft)
+    target_kernels = _prepare_models(args, target, draft)
     print(f"loaded in {time.perf_counter() - loading:.1f}s", file=sys.stderr)
     if target.tokenizer is None:
         raise ValueError("the target has no tokenizer; benchmark prompts are text")
@@ -635,6 +656,8 @@ def _bench(args: argparse.Namespace) -> int:
         "top_p": args.top_p,
         "seed": args.seed,
         "threads": torch.get_num_threads(),
+        "target_kernels": target_kernels,
+        "draft_kernels": _draft_kernels_used(args) if needs_draft else None,
         "quick": args.quick,
         "warmup": args.warmup,
     }
