@@ -1,7 +1,9 @@
 """Our AVX2 few-row kernels: the numbers of nn.Linear (to rounding), the same greedy output, clear errors."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +157,41 @@ def test_one_openmp_runtime_after_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "1"
+
+
+@needs_kernels
+def test_the_int8_path_without_vnni_runs_on_any_avx2_machine(tmp_path):
+    # The library is built per machine: on a VNNI CPU the float-converting int8 kernels would never run
+    # in the tests. Build them without (VERISPEC_NO_VNNI, own kernel cache) and check products and the
+    # one-call draft step in a fresh process.
+    code = """
+import torch
+from verispec.models import quantize_int8
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, PanelLinear, int8_uses_vnni
+from verispec.engine.lean_lm import LeanDecoder, LeanLM
+from tiny_models import tiny_target
+assert not int8_uses_vnni()
+torch.manual_seed(0)
+quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]
+layer = PanelLinear(quantized)
+assert layer.max_kernel_rows == MAX_INT8_KERNEL_ROWS and layer.colsum is None
+weight = quantized.weight()
+dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
+for rows in (1, 2):
+    x = torch.randn(rows, 70)
+    torch.testing.assert_close(layer(x).double(), x.double() @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+model = quantize_int8(tiny_target())
+fused, op_by_op = LeanDecoder(model), LeanDecoder(model)
+op_by_op.fused = None
+assert fused.fused is not None and fused.fused.max_rows == MAX_INT8_KERNEL_ROWS
+lms = [LeanLM(model, decoder) for decoder in (fused, op_by_op)]
+for lm in lms:
+    lm.extend(list(range(3, 14)), num_logits=1)
+for step in ([20], [21, 22], [23]):
+    have, want = (lm.extend(step, num_logits=len(step)).logits for lm in lms)
+    torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+    env = {**os.environ, "VERISPEC_NO_VNNI": "1", "VERISPEC_CACHE": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

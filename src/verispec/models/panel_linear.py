@@ -79,7 +79,10 @@ def _cpu_flags() -> set[str]:
 
 def _machine_flags() -> list[str]:
     """Compiler flags for this CPU beyond AVX2/FMA: 8-bit dot products if it has them
-    (AVX-VNNI first; AVX512-VNNI needs AVX512-VL for its 256-bit form)."""
+    (AVX-VNNI first; AVX512-VNNI needs AVX512-VL for its 256-bit form). ``VERISPEC_NO_VNNI=1``
+    builds without them."""
+    if os.environ.get("VERISPEC_NO_VNNI"):  # build the AVX2-only int8 path (tests run it on any machine)
+        return []
     cpu = _cpu_flags()
     if "avx_vnni" in cpu:
         return _VNNI_FLAGS["avx_vnni"]
