@@ -119,7 +119,7 @@ def _draft_kernels_used(args: argparse.Namespace) -> str:
     """--draft-kernels as it runs here: whether int8 products take 8-bit dot products (VNNI)."""
     from verispec.models.panel_linear import int8_uses_vnni, panel_kernels_unavailable_reason
 
-    if args.draft_kernels != "panel":
+    if not draft_panel_kernels(args):
         return args.draft_kernels
     reason = panel_kernels_unavailable_reason()
     if reason is not None:

@@ -174,7 +174,8 @@ class _FusedStack:
         self.decoder = decoder
         self.is_int8 = products[0].is_int8
         self.max_rows = min(module.max_kernel_rows for module in products)
-        self.intermediate = decoder.layers[0].down_proj.in_features
+        intermediate = decoder.layers[0].down_proj.in_features
+        self.dims = (ctypes.c_int64 * 6)(len(decoder.layers), decoder.hidden_size, decoder.num_heads, decoder.num_kv_heads, decoder.head_dim, intermediate)
 
         def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
             return (ctypes.c_void_p * len(tensors))(*[None if tensor is None else tensor.data_ptr() for tensor in tensors])
@@ -202,9 +203,8 @@ class _FusedStack:
             capacities.append(cache.keys.shape[1])
         hidden = hidden.contiguous()
         cos, sin, out = cos.contiguous(), sin.contiguous(), torch.empty_like(hidden)
-        dims = (ctypes.c_int64 * 6)(len(decoder.layers), decoder.hidden_size, decoder.num_heads, decoder.num_kv_heads, decoder.head_dim, self.intermediate)
         panel_library().verispec_lean_stack(
-            dims, (ctypes.c_int64 * len(capacities))(*capacities), decoder.eps, int(self.is_int8), num_new, start, hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            self.dims, (ctypes.c_int64 * len(capacities))(*capacities), decoder.eps, int(self.is_int8), num_new, start, hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             self.weights, self.scales, self.colsums, self.biases, self.norms, self.final_norm.data_ptr(),
             (ctypes.c_void_p * len(buffers))(*[buffer.data_ptr() for buffer in buffers]), out.data_ptr(), torch.get_num_threads(),
         )

@@ -186,65 +186,62 @@ static inline void store(float* y, float value, bool accumulate) {
   else *y = value;
 }
 
-// The products of one call, split by panels over the threads of the enclosing parallel region
-// (orphaned `omp` constructs: called outside one, they run on the calling thread). ACCUMULATE adds
-// the result to y (a residual connection) instead of overwriting it. The VNNI int8 path first
-// quantises x into q (one thread; the others wait at the barrier).
+// The loop every product shares: panels of y [M, N] split over the threads of the enclosing parallel
+// region (an orphaned `omp for`: called outside one, it runs on the calling thread), rows in balanced
+// chunks of at most MAX_ROWS (13 rows -> 7 + 6, not 12 + 1; a panel stays in cache between the
+// chunks of one product). compute(rows, m0, p, out) fills out [rows][PANEL] for panel p from row m0;
+// value(entry, m, n) turns an entry into y[m, n], stored or, with ACCUMULATE, added (a residual).
+template <int MAX_ROWS, typename Entry, bool ACCUMULATE, typename Compute, typename Value>
+static inline void for_panel_chunks(int64_t M, int64_t N, float* y, Compute compute, Value value) {
+  const int64_t num_panels = (N + PANEL - 1) / PANEL, num_chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
+#pragma omp for schedule(static)
+  for (int64_t p = 0; p < num_panels; ++p) {
+    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+    Entry out[MAX_ROWS * PANEL] __attribute__((aligned(32)));
+    int64_t m0 = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t left = M - m0, rows = (left + (num_chunks - c) - 1) / (num_chunks - c);
+      compute((int)rows, m0, p, out);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * N + n0 + j, value(out[m * PANEL + j], m0 + m, n0 + j), ACCUMULATE);
+      m0 += rows;
+    }
+  }
+}
+
+// One product y (+)= x . W^T * scale + bias. The VNNI int8 path first quantises x into q (one
+// thread; the others wait at the barrier) and undoes the +128 activation offset with the column sums.
 template <bool INT8, bool ACCUMULATE = false>
 static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* y, Quantized q) {
-  const int64_t N = w.N, K = w.K, num_panels = (N + PANEL - 1) / PANEL;
+  const int64_t N = w.N, K = w.K;
 #if VNNI
   if (INT8) {
     const int64_t K4 = round_up4(K);
 #pragma omp single
     quantize_rows(x, M, K, q);
-    const int64_t num_chunks = (M + MAX_VNNI_CHUNK_ROWS - 1) / MAX_VNNI_CHUNK_ROWS;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < num_panels; ++p) {
-      const int8_t* panel = (const int8_t*)w.packed + p * K4 * PANEL;
-      const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-      int32_t out[MAX_VNNI_CHUNK_ROWS * PANEL] __attribute__((aligned(32)));
-      int64_t m0 = 0;
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        const int64_t left = M - m0, rows = (left + (num_chunks - c) - 1) / (num_chunks - c);
-        vnni_chunk_rows((int)rows, q.xq + m0 * K4, K4, panel, out);
-        for (int64_t m = 0; m < rows; ++m)
-          for (int64_t j = 0; j < cols; ++j) {
-            const int32_t dot = out[m * PANEL + j] - 128 * w.colsum[n0 + j];
-            float value = (float)dot * q.xscale[m0 + m] * w.scale[n0 + j];
-            if (w.bias) value += w.bias[n0 + j];
-            store(y + (m0 + m) * N + n0 + j, value, ACCUMULATE);
-          }
-        m0 += rows;
-      }
-    }
+    for_panel_chunks<MAX_VNNI_CHUNK_ROWS, int32_t, ACCUMULATE>(
+        M, N, y,
+        [&](int rows, int64_t m0, int64_t p, int32_t* out) {
+          vnni_chunk_rows(rows, q.xq + m0 * K4, K4, (const int8_t*)w.packed + p * K4 * PANEL, out);
+        },
+        [&](int32_t dot, int64_t m, int64_t n) {
+          const float value = (float)(dot - 128 * w.colsum[n]) * q.xscale[m] * w.scale[n];
+          return w.bias ? value + w.bias[n] : value;
+        });
     return;
   }
 #endif
   (void)q;
   const int64_t panel_bytes = K * PANEL * (INT8 ? 1 : 4);
-  // Rows in balanced chunks of at most 12 (13 rows -> 7 + 6, not 12 + 1); a panel stays in cache
-  // between the chunks of one product.
-  const int64_t num_chunks = (M + MAX_CHUNK_ROWS - 1) / MAX_CHUNK_ROWS;
-#pragma omp for schedule(static)
-  for (int64_t p = 0; p < num_panels; ++p) {
-    const void* panel = (const char*)w.packed + p * panel_bytes;
-    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-    float out[MAX_CHUNK_ROWS * PANEL] __attribute__((aligned(32)));
-    int64_t m0 = 0;
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const int64_t left = M - m0, rows = (left + (num_chunks - c) - 1) / (num_chunks - c);
-      chunk_rows<INT8>((int)rows, x + m0 * K, K, panel, out);
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < cols; ++j) {
-          float value = out[m * PANEL + j];
-          if (w.scale) value *= w.scale[n0 + j];
-          if (w.bias) value += w.bias[n0 + j];
-          store(y + (m0 + m) * N + n0 + j, value, ACCUMULATE);
-        }
-      m0 += rows;
-    }
-  }
+  for_panel_chunks<MAX_CHUNK_ROWS, float, ACCUMULATE>(
+      M, N, y,
+      [&](int rows, int64_t m0, int64_t p, float* out) {
+        chunk_rows<INT8>(rows, x + m0 * K, K, (const char*)w.packed + p * panel_bytes, out);
+      },
+      [&](float entry, int64_t, int64_t n) {
+        const float value = w.scale ? entry * w.scale[n] : entry;
+        return w.bias ? value + w.bias[n] : value;
+      });
 }
 
 // Scratch for quantised rows (VNNI int8 only): M rows of width K.

@@ -146,17 +146,22 @@ def int8_uses_vnni() -> bool:
     return bool(panel_library().verispec_int8_layout())
 
 
+def _panels(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """``weight`` # [out, in] as [ceil(out/8), ceil(in/group), 8, group]: element i of column n of
+    panel p in group g is weight[8p + n, group·g + i]; padding is zero."""
+    out_features, in_features = weight.shape
+    num_panels, num_groups = -(-out_features // PANEL_WIDTH), -(-in_features // group)
+    padded = torch.zeros(num_panels * PANEL_WIDTH, num_groups * group, dtype=weight.dtype)
+    padded[:out_features, :in_features] = weight
+    return padded.view(num_panels, PANEL_WIDTH, num_groups, group).transpose(1, 2).contiguous()
+
+
 def pack_vnni_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 ``weight`` # [out, in] as VNNI panels # [ceil(out/8), ceil(in/4), 8, 4] (byte i of column
     n of panel p in group g is weight[8p + n, 4g + i]; padding is zero) and its row sums # [out] int32."""
     if weight.dim() != 2 or weight.dtype != torch.int8:
         raise ValueError(f"weight must be a 2-D int8 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
-    out_features, in_features = weight.shape
-    num_panels, num_groups = -(-out_features // PANEL_WIDTH), -(-in_features // 4)
-    padded = torch.zeros(num_panels * PANEL_WIDTH, num_groups * 4, dtype=torch.int8)
-    padded[:out_features, :in_features] = weight
-    packed = padded.view(num_panels, PANEL_WIDTH, num_groups, 4).transpose(1, 2).contiguous()
-    return packed, weight.sum(dim=1, dtype=torch.int32).contiguous()
+    return _panels(weight, 4), weight.sum(dim=1, dtype=torch.int32).contiguous()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -164,11 +169,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     p at row k is weight[8p + n, k]; the last panel is padded with zeros."""
     if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.int8):
         raise ValueError(f"weight must be a 2-D float32 or int8 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
-    out_features, in_features = weight.shape
-    num_panels = -(-out_features // PANEL_WIDTH)
-    padded = torch.zeros(num_panels * PANEL_WIDTH, in_features, dtype=weight.dtype)
-    padded[:out_features] = weight
-    return padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+    return _panels(weight, 1).squeeze(-1)
 
 
 class PanelLinear(nn.Module):
