@@ -12,7 +12,7 @@ from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
 from verispec.models.packed_linear import pack_linears
-from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
 
 needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
@@ -27,6 +27,35 @@ def test_pack_panels_layout_and_padding():
     assert pack_panels(weight.to(torch.int8)).dtype == torch.int8
     with pytest.raises(ValueError, match="2-D float32 or int8"):
         pack_panels(weight.double())
+    wide = pack_panels(weight, width=32)  # the AVX-512 float32 layout: one panel of 32 columns
+    assert wide.shape == (1, 5, 32)
+    torch.testing.assert_close(wide[0, :, :19], weight.T, rtol=0, atol=0)
+    assert bool((wide[0, :, 19:] == 0).all())
+    with pytest.raises(ValueError, match="width must be positive"):
+        pack_panels(weight, width=0)
+
+
+@needs_kernels
+def test_float32_layers_pack_as_wide_as_the_kernels_built_here():
+    layer = PanelLinear(torch.nn.Linear(16, 40))
+    width = f32_panel_width()
+    cpu_flags = Path("/proc/cpuinfo").read_text()
+    assert width == (32 if " avx512f" in cpu_flags and not os.environ.get("VERISPEC_NO_AVX512") else 8)
+    assert layer.packed.shape == (-(-40 // width), 16, width)
+
+
+@needs_kernels
+@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32, reason="the wide AVX-512 float32 kernels are not built here")
+def test_wide_float32_rows_do_not_depend_on_how_many_rows_come_together():
+    # One accumulator chain per output: a verification pass over 13 rows (chunks of 7 and 6) gives
+    # bit for bit the products of 13 one-row steps, so batching cannot flip a greedy near-tie.
+    torch.manual_seed(0)
+    layer = PanelLinear(torch.nn.Linear(1000, 70))
+    x = torch.randn(13, 1000)
+    with torch.inference_mode():
+        together = layer(x)
+        one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(13)])
+    assert torch.equal(together, one_by_one)
 
 
 @needs_kernels
@@ -160,18 +189,23 @@ def test_one_openmp_runtime_after_torch():
 
 
 @needs_kernels
-def test_the_int8_path_without_vnni_runs_on_any_avx2_machine(tmp_path):
-    # The library is built per machine: on a VNNI CPU the float-converting int8 kernels would never run
-    # in the tests. Build them without (VERISPEC_NO_VNNI, own kernel cache) and check products and the
-    # one-call draft step in a fresh process.
+def test_the_avx2_paths_run_on_any_avx2_machine(tmp_path):
+    # The library is built per machine: on a VNNI or AVX-512 CPU the float-converting int8 kernels and
+    # the 8-column float32 panels would never run in the tests. Build them without (VERISPEC_NO_VNNI,
+    # VERISPEC_NO_AVX512, own kernel cache) and check products and the one-call draft step in a fresh process.
     code = """
 import torch
 from verispec.models import quantize_int8
-from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, PanelLinear, int8_uses_vnni
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni
 from verispec.engine.lean_lm import LeanDecoder, LeanLM
 from tiny_models import tiny_target
-assert not int8_uses_vnni()
+assert not int8_uses_vnni() and f32_panel_width() == 8
 torch.manual_seed(0)
+linear = torch.nn.Linear(67, 45)
+for rows in (1, 2, 3, 5, 9, 12, 13):
+    x = torch.randn(rows, 67)
+    reference = x.double() @ linear.weight.double().T + linear.bias.double()
+    torch.testing.assert_close(PanelLinear(linear)(x).double(), reference, atol=2e-5, rtol=1e-5)
 quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]
 layer = PanelLinear(quantized)
 assert layer.max_kernel_rows == MAX_INT8_KERNEL_ROWS and layer.colsum is None
@@ -192,6 +226,6 @@ for step in ([20], [21, 22], [23]):
     torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
 print("ok")
 """
-    env = {**os.environ, "VERISPEC_NO_VNNI": "1", "VERISPEC_CACHE": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "VERISPEC_NO_VNNI": "1", "VERISPEC_NO_AVX512": "1", "VERISPEC_CACHE": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -48,7 +48,7 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # 8-bit dot products where the CPU has them: the int8 kernels then multiply int8 weights by 8-bit
 # activations (the VNNI layout) instead of converting weights to float.
 _VNNI_FLAGS = {"avx_vnni": ["-mavxvnni"], "avx512_vnni": ["-mavx512vnni", "-mavx512vl"]}
-PANEL_WIDTH = 8  # output columns per panel; must match PANEL in panel_kernels.cpp (checked at load)
+PANEL_WIDTH = 8  # output columns per int8 panel; must match PANEL in panel_kernels.cpp (checked at load)
 # Up to this many rows the panel kernel runs; beyond it PyTorch's GEMM (prompt prefill). On the
 # AMD machine ours was no slower than oneDNN or MKL up to 128 rows (one-off timing); for long
 # prompts a blocked GEMM re-reads less.
@@ -78,17 +78,19 @@ def _cpu_flags() -> set[str]:
 
 
 def _machine_flags() -> list[str]:
-    """Compiler flags for this CPU beyond AVX2/FMA: 8-bit dot products if it has them
-    (AVX-VNNI first; AVX512-VNNI needs AVX512-VL for its 256-bit form). ``VERISPEC_NO_VNNI=1``
-    builds without them."""
-    if os.environ.get("VERISPEC_NO_VNNI"):  # build the AVX2-only int8 path (tests run it on any machine)
-        return []
-    cpu = _cpu_flags()
-    if "avx_vnni" in cpu:
-        return _VNNI_FLAGS["avx_vnni"]
-    if {"avx512_vnni", "avx512vl"} <= cpu:
-        return _VNNI_FLAGS["avx512_vnni"]
-    return []
+    """Compiler flags for this CPU beyond AVX2/FMA: AVX-512 for the wide float32 panels, and 8-bit
+    dot products (AVX-VNNI first; AVX512-VNNI needs AVX512-VL for its 256-bit form), if it has
+    them. ``VERISPEC_NO_AVX512=1`` / ``VERISPEC_NO_VNNI=1`` build without them (the tests run
+    the AVX2 paths that way on any machine)."""
+    cpu, flags = _cpu_flags(), []
+    if "avx512f" in cpu and not os.environ.get("VERISPEC_NO_AVX512"):
+        flags.append("-mavx512f")
+    if not os.environ.get("VERISPEC_NO_VNNI"):
+        if "avx_vnni" in cpu:
+            flags += _VNNI_FLAGS["avx_vnni"]
+        elif {"avx512_vnni", "avx512vl"} <= cpu:
+            flags += _VNNI_FLAGS["avx512_vnni"]
+    return flags
 
 
 def panel_kernels_unavailable_reason() -> str | None:
@@ -133,6 +135,7 @@ def panel_library() -> ctypes.CDLL:
     if library.verispec_panel_width() != PANEL_WIDTH:
         raise RuntimeError(f"{target} packs {library.verispec_panel_width()} columns per panel, expected {PANEL_WIDTH}")
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
+    library.verispec_f32_panel_width.restype = ctypes.c_int
     library.verispec_panel_linear_f32.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, ctypes.c_int]
     library.verispec_panel_linear_i8.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, pointer, pointer, ctypes.c_int]
     library.verispec_lean_stack.argtypes = [
@@ -146,14 +149,19 @@ def int8_uses_vnni() -> bool:
     return bool(panel_library().verispec_int8_layout())
 
 
-def _panels(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """``weight`` # [out, in] as [ceil(out/8), ceil(in/group), 8, group]: element i of column n of
-    panel p in group g is weight[8p + n, group·g + i]; padding is zero."""
+def f32_panel_width() -> int:
+    """Output columns per float32 panel in the kernels built here: 32 with AVX-512, else 8."""
+    return int(panel_library().verispec_f32_panel_width())
+
+
+def _panels(weight: torch.Tensor, group: int, width: int = PANEL_WIDTH) -> torch.Tensor:
+    """``weight`` # [out, in] as [ceil(out/width), ceil(in/group), width, group]: element i of
+    column n of panel p in group g is weight[width·p + n, group·g + i]; padding is zero."""
     out_features, in_features = weight.shape
-    num_panels, num_groups = -(-out_features // PANEL_WIDTH), -(-in_features // group)
-    padded = torch.zeros(num_panels * PANEL_WIDTH, num_groups * group, dtype=weight.dtype)
+    num_panels, num_groups = -(-out_features // width), -(-in_features // group)
+    padded = torch.zeros(num_panels * width, num_groups * group, dtype=weight.dtype)
     padded[:out_features, :in_features] = weight
-    return padded.view(num_panels, PANEL_WIDTH, num_groups, group).transpose(1, 2).contiguous()
+    return padded.view(num_panels, width, num_groups, group).transpose(1, 2).contiguous()
 
 
 def pack_vnni_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,12 +172,14 @@ def pack_vnni_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _panels(weight, 4), weight.sum(dim=1, dtype=torch.int32).contiguous()
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` # [out, in] (float32 or int8) as panels # [ceil(out/8), in, 8]: column n of panel
-    p at row k is weight[8p + n, k]; the last panel is padded with zeros."""
+def pack_panels(weight: torch.Tensor, width: int = PANEL_WIDTH) -> torch.Tensor:
+    """``weight`` # [out, in] (float32 or int8) as panels # [ceil(out/width), in, width]: column n
+    of panel p at row k is weight[width·p + n, k]; the last panel is padded with zeros."""
     if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.int8):
         raise ValueError(f"weight must be a 2-D float32 or int8 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
-    return _panels(weight, 1).squeeze(-1)
+    if width <= 0:
+        raise ValueError(f"width must be positive, got {width}")
+    return _panels(weight, 1, width).squeeze(-1)
 
 
 class PanelLinear(nn.Module):
@@ -202,8 +212,8 @@ class PanelLinear(nn.Module):
         if self.is_int8 and int8_uses_vnni():
             self.packed, self.colsum = pack_vnni_panels(rows)  # [ceil(out/8), ceil(in/4), 8, 4], [out]
             self.max_kernel_rows = MAX_VNNI_KERNEL_ROWS
-        else:
-            self.packed = pack_panels(rows)  # [ceil(out/8), in, 8]
+        else:  # [ceil(out/width), in, width]: 8 columns for int8, 32 for float32 on AVX-512 builds
+            self.packed = pack_panels(rows, PANEL_WIDTH if self.is_int8 else f32_panel_width())
             self.max_kernel_rows = MAX_INT8_KERNEL_ROWS if self.is_int8 else MAX_KERNEL_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
