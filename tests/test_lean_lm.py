@@ -13,9 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from verispec.drafters import DraftModel
 from verispec.engine import SpeculativeDecoder
 from verispec.engine.cached_lm import CachedLM
-from verispec.engine.lean_lm import LeanDecoder, LeanLM, _FusedStack, lean_unsupported_reason
+from verispec.engine.lean_lm import LeanDecoder, LeanLM, _FusedStack, lean_unsupported_reason, target_lm
 from verispec.models import quantize_int8
-from verispec.models.panel_linear import panel_kernels_unavailable_reason
+from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.models.quantize import stacked_linear
 from verispec.sampling import SamplingParams
 
@@ -136,7 +136,7 @@ def test_one_call_stack_step_matches_the_op_by_op_forward(family, monkeypatch):
     model = quantize_int8(tiny_target() if family == "qwen2" else tiny_llama())
     fused, op_by_op = LeanDecoder(model), LeanDecoder(model)
     op_by_op.fused = None
-    assert fused.fused is not None and fused.fused.max_rows == fused.layers[0].qkv.max_kernel_rows
+    assert fused.fused is not None and fused.fused.max_rows == fused.layers[0].qkv[0].max_kernel_rows
     calls = []
     real_call = _FusedStack.__call__
     monkeypatch.setattr(_FusedStack, "__call__", lambda self, *args: calls.append(len(args[0])) or real_call(self, *args))
@@ -160,3 +160,50 @@ def test_one_call_stack_step_grows_the_kv_buffers_it_writes():
         block = ids[position : position + 10]
         torch.testing.assert_close(lean.extend(block, num_logits=10).logits, reference.extend(block, num_logits=10).logits, atol=1e-4, rtol=1e-4)
     assert lean.cache[0].keys.shape[1] == 512 and lean.cache[0].length == 300
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_target_on_the_panel_kernels_runs_one_call_passes_over_its_own_packed_weights(family):
+    # use_panel_kernels swaps the target's own linears; target_lm then runs them as one kernel call
+    # per pass (q, k, v and gate, up as separate parts: no stacked copy) and matches the model's
+    # transformers forward through extends and rollbacks.
+    model = tiny_target() if family == "qwen2" else tiny_llama()
+    expected = replay(CachedLM(model))
+    assert type(target_lm(model)) is CachedLM  # plain float32 linears: transformers' forward
+    use_panel_kernels(model)
+    lm = target_lm(model)
+    assert isinstance(lm, LeanLM) and lm.decoder.fused is not None
+    layer, source = lm.decoder.layers[0], model.model.layers[0]
+    assert layer.qkv == [source.self_attn.q_proj, source.self_attn.k_proj, source.self_attn.v_proj]
+    assert layer.gate_up == [source.mlp.gate_proj, source.mlp.up_proj]
+    assert list(lm.decoder.fused.dims)[6:] == [3, 2]
+    for step, (want, have) in enumerate(zip(expected, replay(lm))):
+        torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+@needs_kernels
+@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32, reason="the wide AVX-512 float32 kernels are not built here")
+def test_a_panel_target_verifies_rows_exactly_as_one_token_steps_compute_them():
+    # With the wide kernels every row of a pass is the same sequence of operations as a 1-token
+    # pass: the logits of a 6-token verification pass equal, bit for bit, those of 6 single steps.
+    model = use_panel_kernels(tiny_target())
+    together, one_by_one = target_lm(model), target_lm(model)
+    prompt = list(range(3, 20))
+    for lm in (together, one_by_one):
+        lm.extend(prompt, num_logits=1)
+    block = [40, 41, 42, 43, 44, 45]
+    batched = together.extend(block, num_logits=len(block)).logits
+    single = torch.cat([one_by_one.extend([token], num_logits=1).logits for token in block])
+    assert torch.equal(batched, single)
+
+
+@needs_kernels
+def test_speculative_decoding_of_a_panel_target_equals_its_plain_decoding():
+    target = use_panel_kernels(tiny_target())
+    draft = noisy_copy(tiny_target(), noise=0.02)
+    prompt = list(range(3, 12))
+    plain = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40, stop=[])
+    speculative = SpeculativeDecoder(target, DraftModel(draft), gamma=4).generate(prompt, max_new_tokens=40, stop=[])
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.target_calls < plain.stats.target_calls

@@ -143,7 +143,7 @@ def test_panel_target_and_draft_keep_greedy_output_and_acceptance():
     assert set(fast_target.state_dict()) == set(target.state_dict())
     draft = quantize_int8(noisy_copy(target, 0.2))
     drafter = DraftModel(draft)
-    assert isinstance(drafter.lm_head, PanelLinear) and isinstance(drafter.lean_decoder.layers[0].gate_up, PanelLinear)
+    assert isinstance(drafter.lm_head, PanelLinear) and isinstance(drafter.lean_decoder.layers[0].gate_up[0], PanelLinear)
     result = SpeculativeDecoder(fast_target, drafter, gamma=5).generate([1, 2, 3], 40, stop=[])
     assert result.token_ids == plain.token_ids == reference.token_ids
     assert sum(result.stats.accepted_per_round) > 0

@@ -511,7 +511,12 @@ def _costs(args: argparse.Namespace) -> int:
         rows[f"target packed (from {from_rows} rows)" + mark.get("packed", "")] = forward_costs(packed, args.context, counts, args.repeats)
     if panel_kernels_unavailable_reason() is None and float32:
         # Swapping the packed layers releases their oneDNN copy: never three copies of the weights.
-        rows["target panel" + mark.get("panel", "")] = forward_costs(use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
+        panel = use_gqa_attention(use_panel_kernels(target.model))
+        from verispec.engine.lean_lm import LeanLM, target_lm
+
+        if isinstance(target_lm(panel), LeanLM):  # what the engine runs: one kernel call per pass; and the same kernels under transformers' forward
+            rows["target panel, transformers forward"] = forward_costs(panel, args.context, counts, args.repeats, transformers_forward=True)
+        rows["target panel" + mark.get("panel", "")] = forward_costs(panel, args.context, counts, args.repeats)
     if head_path is not None:
         from verispec.bench.costs import eagle_costs
         from verispec.drafters.eagle import EagleDrafter

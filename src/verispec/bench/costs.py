@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from verispec.engine.cached_lm import CachedLM
-from verispec.engine.lean_lm import LeanDecoder, LeanLM
+from verispec.engine.lean_lm import LeanDecoder, LeanLM, target_lm
 from verispec.models.panel_linear import panel_or_same
 
 
@@ -22,20 +22,34 @@ class ForwardCost:
     median_s: float
 
 
-def forward_costs(model, context_tokens: int, new_token_counts: list[int], repeats: int = 5, lm_head=None, lean: bool = False, panel_kernels: bool = False) -> list[ForwardCost]:  # noqa: ANN001
+def forward_costs(  # noqa: ANN201 - list[ForwardCost]
+    model,  # noqa: ANN001 - a transformers causal LM
+    context_tokens: int,
+    new_token_counts: list[int],
+    repeats: int = 5,
+    lm_head=None,  # noqa: ANN001 - an output layer
+    lean: bool = False,
+    panel_kernels: bool = False,
+    transformers_forward: bool = False,
+) -> list[ForwardCost]:
     """Median seconds of one pass over ``n`` new tokens after a ``context_tokens`` cache, per n.
 
     The cache is cropped back after every pass, so each one sees the same context length.
     ``lm_head``: an output layer replacing the model's (a drafter's reduced-vocabulary rows).
     ``lean``: through our lean forward (what draft models run) instead of the model's own.
     ``panel_kernels``: the lean forward's products and the output layer through our panel kernels
-    (what draft models run by default).
+    (what draft models run by default). Otherwise the model runs as the engine runs a target
+    (:func:`~verispec.engine.lean_lm.target_lm`: lean if it was switched to the panel kernels), or
+    with ``transformers_forward`` always through the model's own forward.
     """
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
         raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
     if panel_kernels:
         lm_head = panel_or_same(lm_head if lm_head is not None else model.get_output_embeddings())
-    lm = LeanLM(model, LeanDecoder.shared(model, panel_kernels), lm_head=lm_head) if lean else CachedLM(model, lm_head=lm_head)
+    if lean:
+        lm: CachedLM = LeanLM(model, LeanDecoder.shared(model, panel_kernels), lm_head=lm_head)
+    else:
+        lm = target_lm(model) if lm_head is None and not transformers_forward else CachedLM(model, lm_head=lm_head)
     vocab = lm.vocab_size
     # Arbitrary but fixed token ids: cost does not depend on which tokens they are.
     lm.extend([(7 * i + 11) % vocab for i in range(context_tokens)], num_logits=0)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from verispec.drafters.base import DraftContext, Drafter, Proposal
-from verispec.engine.cached_lm import CachedLM
+from verispec.engine.lean_lm import target_lm
 from verispec.engine.gamma import AdaptiveGamma
 from verispec.engine.monitor import AcceptanceMonitor, AcceptanceSnapshot
 from verispec.engine.stats import GenerationStats
@@ -142,7 +142,7 @@ class SpeculativeDecoder:
     def _rounds(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, stopper: StopCondition) -> Iterator[StepResult]:
         generator = sampling.make_generator()
         stats = GenerationStats(prompt_tokens=len(prompt))
-        target = CachedLM(self.target)
+        target = target_lm(self.target)
         wants_features = bool(self.drafter is not None and self.drafter.needs_target_features)
         session = self.drafter.start(prompt, sampling) if self.drafter is not None else None
         tokens = list(prompt)

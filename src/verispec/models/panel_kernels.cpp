@@ -255,9 +255,10 @@ static inline void store(float* y, float value, bool accumulate) {
 // region (an orphaned `omp for`: called outside one, it runs on the calling thread), rows in balanced
 // chunks of at most MAX_ROWS (13 rows -> 7 + 6, not 12 + 1; a panel stays in cache between the
 // chunks of one product). compute(rows, m0, p, out) fills out [rows][WIDTH] for panel p from row m0;
-// value(entry, m, n) turns an entry into y[m, n], stored or, with ACCUMULATE, added (a residual).
+// value(entry, m, n) turns an entry into y[m, n] (row stride ldy), stored or, with ACCUMULATE, added
+// (a residual).
 template <int WIDTH, int MAX_ROWS, typename Entry, bool ACCUMULATE, typename Compute, typename Value>
-static inline void for_panel_chunks(int64_t M, int64_t N, float* y, Compute compute, Value value) {
+static inline void for_panel_chunks(int64_t M, int64_t N, float* y, int64_t ldy, Compute compute, Value value) {
   const int64_t num_panels = (N + WIDTH - 1) / WIDTH, num_chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
 #pragma omp for schedule(static)
   for (int64_t p = 0; p < num_panels; ++p) {
@@ -268,24 +269,28 @@ static inline void for_panel_chunks(int64_t M, int64_t N, float* y, Compute comp
       const int64_t left = M - m0, rows = (left + (num_chunks - c) - 1) / (num_chunks - c);
       compute((int)rows, m0, p, out);
       for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * N + n0 + j, value(out[m * WIDTH + j], m0 + m, n0 + j), ACCUMULATE);
+        for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + n0 + j, value(out[m * WIDTH + j], m0 + m, n0 + j), ACCUMULATE);
       m0 += rows;
     }
   }
 }
 
-// One product y (+)= x . W^T * scale + bias. The VNNI int8 path first quantises x into q (one
-// thread; the others wait at the barrier) and undoes the +128 activation offset with the column sums.
+// One product y (+)= x . W^T * scale + bias, y with row stride ldy (0: N). The VNNI int8 path first
+// quantises x into q (one thread; the others wait at the barrier; skipped when q already holds this
+// x) and undoes the +128 activation offset with the column sums.
 template <bool INT8, bool ACCUMULATE = false>
-static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* y, Quantized q) {
+static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* y, Quantized q, int64_t ldy = 0, bool x_quantized = false) {
   const int64_t N = w.N, K = w.K;
+  ldy = ldy ? ldy : N;
 #if VNNI
   if (INT8) {
     const int64_t K4 = round_up4(K);
+    if (!x_quantized) {
 #pragma omp single
-    quantize_rows(x, M, K, q);
+      quantize_rows(x, M, K, q);
+    }
     for_panel_chunks<PANEL, MAX_VNNI_CHUNK_ROWS, int32_t, ACCUMULATE>(
-        M, N, y,
+        M, N, y, ldy,
         [&](int rows, int64_t m0, int64_t p, int32_t* out) {
           vnni_chunk_rows(rows, q.xq + m0 * K4, K4, (const int8_t*)w.packed + p * K4 * PANEL, out);
         },
@@ -297,10 +302,11 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
   }
 #endif
   (void)q;
+  (void)x_quantized;
   constexpr int WIDTH = INT8 ? PANEL : F32_PANEL;
   const int64_t panel_bytes = K * WIDTH * (INT8 ? 1 : 4);
   for_panel_chunks<WIDTH, MAX_CHUNK_ROWS, float, ACCUMULATE>(
-      M, N, y,
+      M, N, y, ldy,
       [&](int rows, int64_t m0, int64_t p, float* out) {
         const void* panel = (const char*)w.packed + p * panel_bytes;
         if (INT8) chunk_rows<true>(rows, x + m0 * K, K, panel, out);
@@ -346,11 +352,25 @@ static void panel_linear(const float* x, int64_t M, const Weight& w, float* y, i
 //   x += softmax(q k^T / sqrt(D), causal) v . W_o^T;
 //   a = rmsnorm(x) * norms[2l+1];  [g, u] = a . W_gu^T;  x += (silu(g) * u) . W_down^T
 // and out = rmsnorm(x) * final_norm.
+// W_qkv may come as one stacked weight or as q, k, v (qkv_parts 3), W_gu as one or as gate, up
+// (gate_up_parts 2): the parts write side by side into one output row, so a model's own weights
+// run without a stacked copy.
 struct LeanStackDims {
-  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, qkv_parts, gate_up_parts;
   const int64_t* capacities;  // per layer: positions each KV buffer holds
   float eps;
 };
+
+// Products whose outputs sit side by side in y [M, sum of the parts' N]; x is quantised once (VNNI).
+template <bool INT8>
+static void grouped_linear_for(const float* x, int64_t M, const Weight* parts, int64_t count, float* y, Quantized q) {
+  int64_t width = 0, offset = 0;
+  for (int64_t j = 0; j < count; ++j) width += parts[j].N;
+  for (int64_t j = 0; j < count; ++j) {
+    panel_linear_for<INT8>(x, M, parts[j], y + offset, q, width, j > 0);
+    offset += parts[j].N;
+  }
+}
 
 static void rms_norm_rows(const float* x, int64_t rows, int64_t width, const float* weight, float eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -404,13 +424,17 @@ static void lean_stack(const LeanStackDims& d, int64_t n, int64_t start, float* 
   const float scaling = 1.0f / sqrtf((float)D);
 #pragma omp parallel num_threads(num_threads)
   for (int64_t l = 0; l < d.num_layers; ++l) {
-    const Weight* w = weights + 4 * l;  // qkv, o, gate_up, down
+    // qkv (qkv_parts weights), o, gate_up (gate_up_parts weights), down
+    const Weight* qkv_w = weights + l * (d.qkv_parts + d.gate_up_parts + 2);
+    const Weight& o_w = qkv_w[d.qkv_parts];
+    const Weight* gate_up_w = qkv_w + d.qkv_parts + 1;
+    const Weight& down_w = gate_up_w[d.gate_up_parts];
     float* keys = caches[2 * l];
     float* values = caches[2 * l + 1];  // [KV, capacity, D]
     const int64_t capacity = d.capacities[l];
 #pragma omp single
     rms_norm_rows(x, n, h, norms[2 * l], d.eps, normed);
-    panel_linear_for<INT8>(normed, n, w[0], qkv, q);
+    grouped_linear_for<INT8>(normed, n, qkv_w, d.qkv_parts, qkv, q);
 #pragma omp single
     for (int64_t i = 0; i < n; ++i) {
       float* row = qkv + i * qkv_width;
@@ -444,17 +468,17 @@ static void lean_stack(const LeanStackDims& d, int64_t n, int64_t start, float* 
       }
       for (int64_t v = 0; v < vectors; ++v) _mm256_storeu_ps(ctx + 8 * v, acc[v]);
     }
-    panel_linear_for<INT8, true>(context, n, w[1], x, q);
+    panel_linear_for<INT8, true>(context, n, o_w, x, q);
 #pragma omp single
     rms_norm_rows(x, n, h, norms[2 * l + 1], d.eps, normed);
-    panel_linear_for<INT8>(normed, n, w[2], gate_up, q);
+    grouped_linear_for<INT8>(normed, n, gate_up_w, d.gate_up_parts, gate_up, q);
 #pragma omp for schedule(static)
     for (int64_t e = 0; e < n * I; ++e) {
       const int64_t i = e / I, j = e % I;
       const float g = gate_up[i * 2 * I + j];
       act[e] = g / (1.0f + expf(-g)) * gate_up[i * 2 * I + I + j];
     }
-    panel_linear_for<INT8, true>(act, n, w[3], x, q);
+    panel_linear_for<INT8, true>(act, n, down_w, x, q);
   }
   rms_norm_rows(x, n, h, final_norm, d.eps, out);
   free(buffer);
@@ -479,24 +503,33 @@ void verispec_panel_linear_i8(const float* x, int64_t M, int64_t K, const int8_t
   panel_linear<true>(x, M, Weight{packed, N, K, scale, colsum, bias}, y, num_threads);
 }
 
-// dims: num_layers, hidden, heads, kv_heads, head_dim, intermediate; capacities[l]: positions the KV
-// buffers of layer l hold (their second dimension); per layer l: weights/scales/colsums/biases
-// [4l .. 4l+3] = qkv, o, gate_up, down (scales and colsums null for float32, colsums null unless the
-// int8 layout is VNNI, biases may be null), norms[2l], norms[2l+1] = input and post-attention RMSNorm,
-// caches[2l], caches[2l+1] = keys, values [kv_heads, capacity, head_dim] with positions < start
-// filled. x [n, hidden] (the token embeddings) is the residual stream, overwritten; out [n, hidden]
-// receives the final-normed features.
+// dims: num_layers, hidden, heads, kv_heads, head_dim, intermediate, qkv_parts (1: stacked, 3: q, k,
+// v), gate_up_parts (1: stacked, 2: gate, up); capacities[l]: positions the KV buffers of layer l hold
+// (their second dimension); per layer l, P = qkv_parts + gate_up_parts + 2 entries from P·l of
+// weights/scales/colsums/biases: the qkv parts, o, the gate_up parts, down (scales and colsums null for
+// float32, colsums null unless the int8 layout is VNNI, biases may be null); norms[2l], norms[2l+1] =
+// input and post-attention RMSNorm, caches[2l], caches[2l+1] = keys, values [kv_heads, capacity,
+// head_dim] with positions < start filled. x [n, hidden] (the token embeddings) is the residual
+// stream, overwritten; out [n, hidden] receives the final-normed features.
 void verispec_lean_stack(const int64_t* dims, const int64_t* capacities, float eps, int int8, int64_t n, int64_t start,
                          float* x, const float* cos, const float* sin, const void* const* weights,
                          const float* const* scales, const int32_t* const* colsums, const float* const* biases,
                          const float* const* norms, const float* final_norm, float* const* caches, float* out,
                          int num_threads) {
-  const LeanStackDims d = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], capacities, eps};
+  const LeanStackDims d = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], capacities, eps};
   const int64_t H = d.heads, KV = d.kv_heads, D = d.head_dim, I = d.intermediate, h = d.hidden;
-  const int64_t outputs[4] = {(H + 2 * KV) * D, h, 2 * I, h}, inputs[4] = {h, H * D, h, I};
-  Weight* layers = (Weight*)malloc(sizeof(Weight) * 4 * d.num_layers);
-  for (int64_t i = 0; i < 4 * d.num_layers; ++i)
-    layers[i] = Weight{weights[i], outputs[i % 4], inputs[i % 4], scales[i], colsums[i], biases[i]};
+  // Output and input widths of each entry of a layer, in order.
+  int64_t outputs[7], inputs[7], per_layer = 0;
+  const auto add = [&](int64_t out_width, int64_t in_width) { outputs[per_layer] = out_width, inputs[per_layer++] = in_width; };
+  if (d.qkv_parts == 3) add(H * D, h), add(KV * D, h), add(KV * D, h);
+  else add((H + 2 * KV) * D, h);
+  add(h, H * D);
+  if (d.gate_up_parts == 2) add(I, h), add(I, h);
+  else add(2 * I, h);
+  add(h, I);
+  Weight* layers = (Weight*)malloc(sizeof(Weight) * per_layer * d.num_layers);
+  for (int64_t i = 0; i < per_layer * d.num_layers; ++i)
+    layers[i] = Weight{weights[i], outputs[i % per_layer], inputs[i % per_layer], scales[i], colsums[i], biases[i]};
   if (int8)
     lean_stack<true>(d, n, start, x, cos, sin, layers, norms, final_norm, caches, out, num_threads);
   else
