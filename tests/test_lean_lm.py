@@ -163,12 +163,13 @@ def test_one_call_stack_step_grows_the_kv_buffers_it_writes():
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "llama-head-dim-128"])
 def test_a_target_on_the_panel_kernels_runs_one_call_passes_over_its_own_packed_weights(family):
     # use_panel_kernels swaps the target's own linears; target_lm then runs them as one kernel call
     # per pass (q, k, v and gate, up as separate parts: no stacked copy) and matches the model's
-    # transformers forward through extends and rollbacks.
-    model = tiny_target() if family == "qwen2" else tiny_llama()
+    # transformers forward through extends and rollbacks. Head size 128 as in Qwen2.5-1.5B: the
+    # kernel's attention must not assume the draft's 64.
+    model = {"qwen2": tiny_target, "llama": tiny_llama, "llama-head-dim-128": lambda: tiny_llama(head_dim=128, num_attention_heads=2)}[family]()
     expected = replay(CachedLM(model))
     assert type(target_lm(model)) is CachedLM  # plain float32 linears: transformers' forward
     use_panel_kernels(model)
