@@ -512,9 +512,9 @@ def _costs(args: argparse.Namespace) -> int:
     if panel_kernels_unavailable_reason() is None and float32:
         # Swapping the packed layers releases their oneDNN copy: never three copies of the weights.
         panel = use_gqa_attention(use_panel_kernels(target.model))
-        from verispec.engine.lean_lm import LeanLM, target_lm
+        from verispec.engine.lean_lm import target_runs_lean
 
-        if isinstance(target_lm(panel), LeanLM):  # what the engine runs: one kernel call per pass; and the same kernels under transformers' forward
+        if target_runs_lean(panel):  # what the engine runs: one kernel call per pass; and the same kernels under transformers' forward
             rows["target panel, transformers forward"] = forward_costs(panel, args.context, counts, args.repeats, transformers_forward=True)
         rows["target panel" + mark.get("panel", "")] = forward_costs(panel, args.context, counts, args.repeats)
     if head_path is not None:

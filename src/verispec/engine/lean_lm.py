@@ -83,6 +83,11 @@ def _runs_panel_kernels(model: nn.Module) -> bool:
     return bool(linears) and all(isinstance(module, PanelLinear) and not module.is_int8 for module in linears)
 
 
+def target_runs_lean(model: nn.Module) -> bool:
+    """Whether :func:`target_lm` runs ``model`` through the lean forward (panel kernels, covered architecture)."""
+    return _runs_panel_kernels(model) and lean_unsupported_reason(model) is None
+
+
 def target_lm(model: nn.Module) -> CachedLM:
     """The cached sequence the engine runs a target through: a :class:`LeanLM` when the target runs
     the panel kernels and the lean forward covers it — then a pass over up to 128 tokens is one
@@ -91,7 +96,7 @@ def target_lm(model: nn.Module) -> CachedLM:
 
     Exactness is unaffected: plain and speculative decoding both run this, and with the AVX-512
     kernels every row of a pass is computed exactly as a 1-token pass computes it."""
-    if _runs_panel_kernels(model) and lean_unsupported_reason(model) is None:
+    if target_runs_lean(model):
         return LeanLM(model, LeanDecoder.shared(model))
     return CachedLM(model)
 
@@ -131,6 +136,7 @@ class LeanDecoder:
         self.embed = body.embed_tokens
         self.norm = body.norm.weight.detach()
         self.inv_freq = body.rotary_emb.inv_freq.detach().float()  # the model's own frequencies
+
         def group(modules: list[nn.Module]) -> list[nn.Module]:
             if all(isinstance(module, PanelLinear) for module in modules):
                 return modules
@@ -201,6 +207,9 @@ class _FusedStack:
             return None
         if len({module.is_int8 for module in products}) != 1 or decoder.head_dim % 8 or decoder.num_heads % decoder.num_kv_heads:
             return None
+        first = decoder.layers[0]  # the kernel takes one q/k/v and gate/up grouping for all layers
+        if any(len(layer.qkv) != len(first.qkv) or len(layer.gate_up) != len(first.gate_up) for layer in decoder.layers):
+            return None
         return cls(decoder, products)
 
     def __init__(self, decoder: "LeanDecoder", products: list[PanelLinear]) -> None:
@@ -209,8 +218,6 @@ class _FusedStack:
         self.max_rows = min(module.max_kernel_rows for module in products)
         intermediate = decoder.layers[0].down_proj.in_features
         first = decoder.layers[0]
-        if any(len(layer.qkv) != len(first.qkv) or len(layer.gate_up) != len(first.gate_up) for layer in decoder.layers):
-            raise ValueError("every layer must group its q/k/v and gate/up products alike")
         self.dims = (ctypes.c_int64 * 8)(
             len(decoder.layers), decoder.hidden_size, decoder.num_heads, decoder.num_kv_heads, decoder.head_dim, intermediate, len(first.qkv), len(first.gate_up)
         )
