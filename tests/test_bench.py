@@ -135,6 +135,9 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert variant.decoder.gamma == 7 and variant.decoder._gamma_controller is not None
     assert variant.decoder.drafter.confidence_threshold == 0.25 and variant.decoder.drafter.vocab_ids is None  # 0: the full vocabulary
     assert bench_methods.parse_variant("ngram+draft:vocab=64") == bench_methods.MethodVariant("ngram+draft", vocab=64)
+    combined = bench_methods.build_method("ngram+draft-adaptive:gamma=7", model, model, gamma=4)
+    assert combined.decoder.gamma == 7 and combined.decoder._gamma_controller is not None
+    assert combined.decoder.drafter.name == f"ngram+{model.name}"
     assert bench_methods.method_spec("hf-lookup").family == "hf"
 
 
@@ -220,7 +223,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "draft-model:vocab=many"], "vocab must be a number, got 'many'"),
         (["--methods", "hf-assisted:gamma=3"], "gamma applies to our drafting methods only"),
         (["--methods", "plain:gamma=3"], "gamma applies to our drafting methods only"),
-        (["--methods", "ngram:vocab=100"], "vocab applies to draft-model, draft-model-adaptive, ngram+draft only"),
+        (["--methods", "ngram:vocab=100"], "vocab applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--set", "spec-bench", "--spec-bench", "/nonexistent/dev.jsonl"], "Spec-Bench file '/nonexistent/dev.jsonl' not found"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--set", "humaneval,nonsense"], "--set: unknown 'nonsense'"),

@@ -26,7 +26,7 @@ def test_generate_streams_text_and_stats(tiny_gguf, capsys):
 
 
 def test_gamma_control_fixed_drafts_gamma_every_round_and_adaptive_keeps_the_text(tiny_gguf, capsys):
-    common = ["generate", "--target", tiny_gguf, "--draft", tiny_gguf, "--gamma", "3", "--max-new-tokens", "12", "--raw", "hello the"]
+    common = ["generate", "--target", tiny_gguf, "--drafter", "draft-model", "--draft", tiny_gguf, "--gamma", "3", "--max-new-tokens", "12", "--raw", "hello the"]
     assert main([*common, "--gamma-control", "fixed"]) == 0
     fixed_text, err = capsys.readouterr()
     # The draft is the target: 3 drafts accepted + 1 token, every round: 12 tokens in 3 calls.
@@ -113,6 +113,18 @@ def test_ngram_drafter_and_plain_give_the_same_text(tiny_gguf, capsys):
     plain = capsys.readouterr().out
     assert main(["generate", "--drafter", "ngram", *common]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_lookup_then_draft_model_gives_plain_text(tiny_gguf, capsys):
+    common = ["--target", tiny_gguf, "--max-new-tokens", "16", "--raw", "the hello the hello the"]
+    assert main(["generate", "--drafter", "none", *common]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", "--drafter", "ngram+draft", "--draft", tiny_gguf, *common]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain and "16 tokens" in err
+    assert main(["generate", "--draft", "none", *common]) == 0  # the default drafter, ngram+draft, without its model: plain
+    out, err = capsys.readouterr()
+    assert out == plain and "target calls 16" in err
 
 
 def test_compare_refuses_no_drafter(tiny_gguf, capsys):

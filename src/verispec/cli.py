@@ -136,7 +136,7 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def model_options(sub: argparse.ArgumentParser) -> None:
-        _add_loading_options(sub)
+        _add_loading_options(sub, drafter="ngram+draft", gamma=10)
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
         _add_sampling_options(sub)
         sub.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -185,12 +185,20 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_loading_options(sub: argparse.ArgumentParser) -> None:
-    """Which target and drafter, and how they run: every command that decodes with a drafter."""
+DRAFTERS = ("draft-model", "ngram", "ngram+draft", "eagle", "parallel", "none")
+MODEL_DRAFTERS = ("draft-model", "ngram+draft")  # the drafters that run --draft
+
+
+def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-model", gamma: int = 6) -> None:
+    """Which target and drafter, and how they run: every command that decodes with a drafter.
+
+    ``drafter`` / ``gamma``: the defaults. One stream (generate, compare) gets the fastest setting
+    measured on HumanEval, lookup + draft model with up to 10 drafts a round; serve keeps the draft
+    model with up to 6, the setting its concurrency measurements were made with."""
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
-    sub.add_argument("--drafter", choices=["draft-model", "ngram", "eagle", "parallel", "none"], default="draft-model", help="how drafts are made: a small draft model (default), prompt lookup (ngram), an EAGLE head (eagle, see --eagle-head), a parallel head (parallel, see --parallel-head), or none (plain decoding)")
+    sub.add_argument("--drafter", choices=list(DRAFTERS), default=drafter, help=f"how drafts are made: a small draft model (draft-model), prompt lookup (ngram), prompt lookup on a 2+ token match and the draft model otherwise (ngram+draft), an EAGLE head (eagle, see --eagle-head), a parallel head (parallel, see --parallel-head), or none (plain decoding); default {drafter}")
     sub.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for --drafter eagle (default <cache>/eagle/<target>/head.safetensors, made by `verispec eagle build`)")
     from verispec.parallel_cli import add_parallel_drafter_options
 
@@ -198,8 +206,8 @@ def _add_loading_options(sub: argparse.ArgumentParser) -> None:
     from verispec.far_memory_cli import add_far_memory_options
 
     add_far_memory_options(sub)
-    sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
-    sub.add_argument("--gamma", type=int, default=6, help="draft tokens per target call; with --gamma-control adaptive the most a round drafts (default 6)")
+    sub.add_argument("--draft", default=DEFAULT_DRAFT, help=f"the draft model for --drafter draft-model or ngram+draft, or 'none' for plain decoding (default {DEFAULT_DRAFT})")
+    sub.add_argument("--gamma", type=int, default=gamma, help=f"draft tokens per target call; with --gamma-control adaptive the most a round drafts (default {gamma})")
     sub.add_argument("--gamma-control", choices=["adaptive", "fixed"], default="adaptive", help="adaptive (default): draft 0..gamma a round, chosen from this text's acceptance and the measured costs, decoding plainly while the text defeats the drafter (rejection attacks included); fixed: always gamma (serve: the batch policy's). Sampling with --seed (a seeded request) always drafts the fixed gamma, so its text depends on prompt and seed only, never on timings")
     sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
@@ -316,7 +324,7 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
     """Load the target and build the drafter the options ask for (options checked already)."""
     import torch
 
-    from verispec.drafters import DraftModel, NgramDrafter
+    from verispec.drafters import DraftModel, NgramDrafter, lookup_then_model
     from verispec.models import load_model
 
     if args.threads is not None:
@@ -328,7 +336,7 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
     started = time.perf_counter()
     target = load_model(args.target, cache_dir=args.cache_dir)
     draft = None
-    if args.drafter == "draft-model" and args.draft.lower() != "none":
+    if args.drafter in MODEL_DRAFTERS and args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)
     _prepare_models(args, target, draft)
     if parallel_head is not None:
@@ -340,7 +348,8 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
         drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args))
     else:
-        drafter = NgramDrafter() if args.drafter == "ngram" else DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None, lean=draft_lean(args), panel_kernels=draft_panel_kernels(args)) if draft is not None else None
+        model_drafter = DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None, lean=draft_lean(args), panel_kernels=draft_panel_kernels(args)) if draft is not None else None
+        drafter = NgramDrafter() if args.drafter == "ngram" else lookup_then_model(model_drafter) if args.drafter == "ngram+draft" and model_drafter is not None else model_drafter
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return target, drafter
 
@@ -448,7 +457,7 @@ def _compare(args: argparse.Namespace) -> int:
     from verispec.bench.compare import compare_one, rows_to_dicts, summarize
     from verispec.bench.prompts import Prompt, humaneval_prompts
 
-    if args.drafter == "none" or (args.drafter == "draft-model" and args.draft.lower() == "none"):
+    if args.drafter == "none" or (args.drafter in MODEL_DRAFTERS and args.draft.lower() == "none"):
         raise ValueError("compare needs a drafter: --drafter ngram, or --drafter draft-model with --draft NAME")
     prompts = humaneval_prompts(args.humaneval) if args.humaneval is not None else [Prompt("prompt", "user", args.prompt)]
     target, plain, speculative, sampling = _load(args)
@@ -467,7 +476,7 @@ def _compare(args: argparse.Namespace) -> int:
         if len(prompts) == 1:
             bar.write(spec_result.text or "")
     summary = summarize(rows, spec_stats)
-    drafter_name = args.draft if args.drafter == "draft-model" else args.drafter
+    drafter_name = {"draft-model": args.draft, "ngram+draft": f"ngram+{args.draft}"}.get(args.drafter, args.drafter)
     print(f"{args.target} + {drafter_name}, gamma {args.gamma}, {args.max_new_tokens} new tokens: {summary.line()}")
     if args.json is not None:
         payload = {"settings": {k: str(v) for k, v in vars(args).items() if k != "handler"}, "summary": summary.__dict__, "prompts": rows_to_dicts(rows)}

@@ -35,6 +35,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("ngram", "ours", False, "prompt lookup (NgramDrafter), gamma drafts a round"),
         MethodSpec("ngram-adaptive", "ours", False, "prompt lookup, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("ngram+draft", "ours", True, "prompt lookup when it matches, the draft model otherwise (CombinedDrafter)"),
+        MethodSpec("ngram+draft-adaptive", "ours", True, "ngram+draft, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle", "ours", False, "EAGLE head on the target's features (--eagle-head), gamma drafts a round"),
         MethodSpec("eagle-adaptive", "ours", False, "EAGLE head, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle-local", "ours", False, "EAGLE head attending to the last --local-window tokens only (truncation)"),
@@ -49,16 +50,21 @@ METHODS: dict[str, MethodSpec] = {
     ]
 }
 # The full run: every method but ngram-adaptive (lookup drafts cost nothing, so adapting their
-# number changes little), to keep 21 prompts x 8 methods at ~90 minutes on the 2-core CPU.
+# number changes little) and fixed-gamma ngram+draft, plus the generate/compare default (ngram+draft,
+# adaptive, up to 10 drafts), to keep 21 prompts x 8 methods at ~90 minutes on the 2-core CPU.
 # EAGLE and parallel methods need a trained head (--eagle-head, --parallel-head), so they run when asked for.
-DEFAULT_METHODS = tuple(name for name in METHODS if name != "ngram-adaptive" and not name.startswith(("eagle", "parallel")))
+DEFAULT_METHODS = tuple(
+    "ngram+draft-adaptive:gamma=10" if name == "ngram+draft-adaptive" else name
+    for name in METHODS
+    if name not in ("ngram-adaptive", "ngram+draft") and not name.startswith(("eagle", "parallel"))
+)
 QUICK_METHODS = ("plain", "draft-model", "ngram")  # --quick: the baseline and our two drafters
 REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-output references, in order of preference
 
 
 # Per-method settings a method name can carry after colons, e.g. ``draft-model:gamma=8:vocab=32768``,
 # so that settings are compared side by side in one run (interleaved prompt by prompt, like methods).
-_DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft")
+_DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft", "ngram+draft-adaptive")
 
 
 @dataclass(frozen=True)
@@ -262,7 +268,7 @@ def build_method(
         draft_vocab = variant.vocab or None
     if variant.confidence is not None:
         draft_confidence = variant.confidence or None
-    from verispec.drafters import CombinedDrafter, DraftModel, NgramDrafter
+    from verispec.drafters import DraftModel, NgramDrafter, lookup_then_model
     from verispec.engine import SpeculativeDecoder
 
     if name == "plain":
@@ -287,9 +293,7 @@ def build_method(
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
         drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, name=name)
     elif name.startswith("ngram+"):
-        # Lookup claims a round only on a 2+ token match, and then drafts all it can: on a weaker
-        # match the draft model does better than a short, capped lookup proposal.
-        drafter = CombinedDrafter(NgramDrafter(min_ngram=2, match_drafts=()), DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean, panel_kernels=draft_panel_kernels))
+        drafter = lookup_then_model(DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean, panel_kernels=draft_panel_kernels))
     else:
         drafter = NgramDrafter()
     return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))

@@ -1,8 +1,8 @@
 """Drafters: everything that proposes tokens for the target to verify."""
 
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal
-from verispec.drafters.combined import CombinedDrafter
+from verispec.drafters.combined import CombinedDrafter, lookup_then_model
 from verispec.drafters.draft_model import DraftModel
 from verispec.drafters.ngram import NgramDrafter
 
-__all__ = ["CombinedDrafter", "DraftContext", "DraftModel", "NgramDrafter", "DraftSession", "Drafter", "Proposal"]
+__all__ = ["CombinedDrafter", "DraftContext", "DraftModel", "NgramDrafter", "DraftSession", "Drafter", "Proposal", "lookup_then_model"]

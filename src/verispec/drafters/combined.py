@@ -10,7 +10,18 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal
+from verispec.drafters.ngram import NgramDrafter
 from verispec.sampling import SamplingParams
+
+
+def lookup_then_model(model_drafter: Drafter) -> "CombinedDrafter":
+    """``--drafter ngram+draft``: prompt lookup on a match of 2+ tokens, ``model_drafter`` otherwise.
+
+    Lookup claims a round only on a 2+ token match, and then drafts all the round allows: on a
+    weaker match the model drafts better than a short, capped lookup proposal would. The fastest
+    drafter measured on HumanEval here (README, Performance).
+    """
+    return CombinedDrafter(NgramDrafter(min_ngram=2, match_drafts=()), model_drafter)
 
 
 class CombinedDrafter:
