@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from tiny_models import anti_copy, noisy_copy, tiny_target, write_tiny_qwen2_gguf
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
-from verispec.drafters import Proposal
+from verispec.drafters import Proposal, lookup_then_model
 from verispec.models import LoadedModel, encode_chat, encode_prompt
 from verispec.serving import BatchGammaPolicy, GenerationRequest, Scheduler, SchedulerConfig, ServeConfig, create_app
 
@@ -76,6 +76,15 @@ def _serve(target, drafter, **config):
 def draft_server(target):
     # Speculation stays on (tapering) up to the 32 concurrent requests of the batching test.
     drafter = DraftModel(noisy_copy(target.model, noise=0.2))
+    server = _serve(target, drafter, scheduler={"gamma": 4, "gamma_policy": BatchGammaPolicy(full_until=4, off_from=40)})
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def lookup_server(target):
+    # The generate/compare default drafter: lookup on a 2+ token match, the draft model otherwise.
+    drafter = lookup_then_model(DraftModel(noisy_copy(target.model, noise=0.2)))
     server = _serve(target, drafter, scheduler={"gamma": 4, "gamma_policy": BatchGammaPolicy(full_until=4, off_from=40)})
     yield server
     server.close()
@@ -203,7 +212,7 @@ def _stream_completion(server, prompt, max_tokens, api_key="unused", **sampling)
     return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage, chunks[-1].model_extra["verispec"]
 
 
-@pytest.mark.parametrize("which", ["draft_server", "plain_server"])
+@pytest.mark.parametrize("which", ["draft_server", "lookup_server", "plain_server"])
 def test_32_concurrent_streams_each_get_exactly_their_text_alone(which, request, target, tokenizer):
     server = request.getfixturevalue(which)
     key = KEY if which == "plain_server" else "unused"
