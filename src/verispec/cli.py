@@ -348,8 +348,13 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
         drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args))
     else:
-        model_drafter = DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None, lean=draft_lean(args), panel_kernels=draft_panel_kernels(args)) if draft is not None else None
-        drafter = NgramDrafter() if args.drafter == "ngram" else lookup_then_model(model_drafter) if args.drafter == "ngram+draft" and model_drafter is not None else model_drafter
+        drafter = None  # no drafter, or --draft none: plain decoding
+        if args.drafter == "ngram":
+            drafter = NgramDrafter()
+        elif draft is not None:
+            drafter = DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None, lean=draft_lean(args), panel_kernels=draft_panel_kernels(args))
+            if args.drafter == "ngram+draft":
+                drafter = lookup_then_model(drafter)
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return target, drafter
 
@@ -476,8 +481,7 @@ def _compare(args: argparse.Namespace) -> int:
         if len(prompts) == 1:
             bar.write(spec_result.text or "")
     summary = summarize(rows, spec_stats)
-    drafter_name = {"draft-model": args.draft, "ngram+draft": f"ngram+{args.draft}"}.get(args.drafter, args.drafter)
-    print(f"{args.target} + {drafter_name}, gamma {args.gamma}, {args.max_new_tokens} new tokens: {summary.line()}")
+    print(f"{args.target} + {speculative.drafter.name}, gamma {args.gamma}, {args.max_new_tokens} new tokens: {summary.line()}")
     if args.json is not None:
         payload = {"settings": {k: str(v) for k, v in vars(args).items() if k != "handler"}, "summary": summary.__dict__, "prompts": rows_to_dicts(rows)}
         args.json.write_text(json.dumps(payload, indent=2))

@@ -458,6 +458,7 @@ static void lean_stack(const LeanStackDims& d, int64_t n, int64_t start, float* 
       }
       float total = 0.0f;
       for (int64_t t = 0; t < visible; ++t) total += (score[t] = expf(score[t] - top));
+      for (int64_t t = 0; t < visible; ++t) score[t] /= total;  // once, not once per block of columns
       float* ctx = context + i * H * D + head * D;
       // head_dim is a multiple of 8 (checked by the caller); up to 64 of its columns at a time, so
       // the accumulators stay in registers whatever head_dim is (128 for Qwen2.5-1.5B).
@@ -466,7 +467,7 @@ static void lean_stack(const LeanStackDims& d, int64_t n, int64_t start, float* 
         const int64_t vectors = (D - first < 64 ? D - first : 64) / 8;
         for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_setzero_ps();
         for (int64_t t = 0; t < visible; ++t) {
-          const __m256 weight = _mm256_set1_ps(score[t] / total);
+          const __m256 weight = _mm256_set1_ps(score[t]);
           const float* value_row = value_rows + t * D + first;
           for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value_row + 8 * v), acc[v]);
         }
