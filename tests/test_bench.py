@@ -138,6 +138,18 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     combined = bench_methods.build_method("ngram+draft-adaptive:gamma=7", model, model, gamma=4)
     assert combined.decoder.gamma == 7 and combined.decoder._gamma_controller is not None
     assert combined.decoder.drafter.name == f"ngram+{model.name}"
+    assert combined.decoder.drafter.fallback.path_confidence is None
+    path = bench_methods.build_method("ngram+draft-adaptive:path=0.45", model, model, gamma=4, draft_path_confidence=0.2)
+    assert path.decoder.drafter.fallback.path_confidence == 0.45
+    assert bench_methods.build_method("draft-model:path=0", model, model, gamma=4, draft_path_confidence=0.2).decoder.drafter.path_confidence is None
+    assert bench_methods.build_method("draft-model", model, model, gamma=4, draft_path_confidence=0.2).decoder.drafter.path_confidence == 0.2
+    # The bench's default methods include exactly what generate/compare run by default.
+    from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
+
+    assert bench_methods.parse_variant(bench_methods.STREAM_DEFAULT_METHOD) == bench_methods.MethodVariant(
+        "ngram+draft-adaptive", gamma=STREAM_GAMMA, path=STREAM_PATH_CONFIDENCE
+    )
+    assert bench_methods.STREAM_DEFAULT_METHOD in bench_methods.DEFAULT_METHODS
     assert bench_methods.method_spec("hf-lookup").family == "hf"
 
 
@@ -217,7 +229,10 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
         (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
         (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
-        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, got 'speed=11'"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, got 'speed=11'"),
+        (["--methods", "draft-model:path=1.5"], "path out of range"),
+        (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
+        (["--draft-path-confidence", "1"], "--draft-path-confidence must be in"),
         (["--methods", "draft-model:vocab"], "got 'vocab'"),
         (["--methods", "draft-model:confidence=1"], "confidence out of range"),
         (["--methods", "draft-model:vocab=many"], "vocab must be a number, got 'many'"),

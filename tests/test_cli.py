@@ -26,11 +26,15 @@ def test_generate_streams_text_and_stats(tiny_gguf, capsys):
 
 
 def test_gamma_control_fixed_drafts_gamma_every_round_and_adaptive_keeps_the_text(tiny_gguf, capsys):
-    common = ["generate", "--target", tiny_gguf, "--drafter", "draft-model", "--draft", tiny_gguf, "--gamma", "3", "--max-new-tokens", "12", "--raw", "hello the"]
+    # No path-confidence stop (generate's default stops where the tiny draft is unsure): fixed is gamma every round.
+    with_stop = ["generate", "--target", tiny_gguf, "--drafter", "draft-model", "--draft", tiny_gguf, "--gamma", "3", "--max-new-tokens", "12", "--raw", "hello the"]
+    common = [*with_stop, "--draft-path-confidence", "0"]
     assert main([*common, "--gamma-control", "fixed"]) == 0
     fixed_text, err = capsys.readouterr()
     # The draft is the target: 3 drafts accepted + 1 token, every round: 12 tokens in 3 calls.
     assert "target calls 3, tau 4.00" in err
+    assert main([*with_stop, "--gamma-control", "fixed"]) == 0  # the default stop: shorter rounds, same text
+    assert capsys.readouterr().out == fixed_text
     assert main(common) == 0  # adaptive, the default: greedy text cannot depend on gamma
     assert capsys.readouterr().out == fixed_text
 
@@ -91,6 +95,7 @@ def test_compare_writes_json(tiny_gguf, tmp_path, capsys):
         (["--top-p", "1.5"], "top_p"),
         (["--temperature", "-1"], "temperature"),
         (["--draft-confidence", "1.5"], "--draft-confidence"),
+        (["--draft-path-confidence", "1"], "--draft-path-confidence must be in [0, 1)"),
         (["--draft", "/nonexistent/model.gguf"], "does not exist"),
     ],
 )
@@ -125,6 +130,18 @@ def test_lookup_then_draft_model_gives_plain_text(tiny_gguf, capsys):
     assert main(["generate", "--draft", "none", *common]) == 0  # the default drafter, ngram+draft, without its model: plain
     out, err = capsys.readouterr()
     assert out == plain and "target calls 16" in err
+
+
+def test_one_stream_commands_default_to_the_measured_fastest_setting():
+    from verispec.cli import _build_parser
+    from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
+
+    for command in ("generate", "compare"):
+        args = _build_parser().parse_args([command, "x"])
+        assert (args.drafter, args.gamma, args.draft_path_confidence) == ("ngram+draft", STREAM_GAMMA, STREAM_PATH_CONFIDENCE)
+        assert _build_parser().parse_args([command, "--draft-path-confidence", "0", "x"]).draft_path_confidence == 0.0  # 0 = off
+    serve = _build_parser().parse_args(["serve"])
+    assert (serve.drafter, serve.gamma, serve.draft_path_confidence) == ("draft-model", 6, None)
 
 
 def test_compare_refuses_no_drafter(tiny_gguf, capsys):

@@ -212,8 +212,9 @@ class _FixedCosts(StepCosts):
         (SamplingParams(temperature=0.9, top_p=0.8), "eagle-draft-vocab"),
         (SamplingParams(temperature=1.0), "draft-model-adaptive"),
         (SamplingParams(temperature=0.9, top_k=4), "draft-model-vocab"),
+        (SamplingParams(temperature=1.0), "draft-model-path"),
     ],
-    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab", "adaptive-gamma", "draft-model-draft-vocab"],
+    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab", "adaptive-gamma", "draft-model-draft-vocab", "path-stop"],
 )
 def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind):
     target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
@@ -223,6 +224,7 @@ def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind)
     drafter = {
         "draft-model": lambda: DraftModel(draft),
         "draft-model-confident": lambda: DraftModel(draft, confidence_threshold=0.5),  # draft length varies
+        "draft-model-path": lambda: DraftModel(draft, path_confidence=0.6),  # draft length varies with the path's probability
         "draft-model-adaptive": lambda: DraftModel(draft),
         "ngram": NgramDrafter,
         "eagle": lambda: EagleDrafter(target, _eagle_head(target)),
@@ -399,11 +401,12 @@ def test_reduced_draft_vocabulary_drafts_only_from_it_and_stays_exact(target, qu
         DraftModel(draft, draft_vocab=[1, 2])
 
 
+@pytest.mark.parametrize("stop_rule", [{"confidence_threshold": 0.9}, {"path_confidence": 0.5}], ids=["per-token", "path"])
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=4)], ids=["greedy", "sampled"])
-def test_confidence_threshold_shortens_drafts_and_stays_exact(target, sampling):
+def test_stopping_rules_shorten_drafts_and_stay_exact(target, sampling, stop_rule):
     draft = noisy_copy(target, noise=0.2)
     eager = SpeculativeDecoder(target, DraftModel(draft), gamma=8).generate([2, 9, 4], 50, sampling, stop=[])
-    careful = SpeculativeDecoder(target, DraftModel(draft, confidence_threshold=0.9), gamma=8).generate([2, 9, 4], 50, sampling, stop=[])
+    careful = SpeculativeDecoder(target, DraftModel(draft, **stop_rule), gamma=8).generate([2, 9, 4], 50, sampling, stop=[])
     assert careful.stats.num_drafted < eager.stats.num_drafted
     assert careful.stats.acceptance_rate > eager.stats.acceptance_rate
     assert any(0 < d < 8 for d in careful.stats.drafted_per_round)
@@ -414,3 +417,26 @@ def test_confidence_threshold_shortens_drafts_and_stays_exact(target, sampling):
 def test_confidence_threshold_is_validated(target):
     with pytest.raises(ValueError, match="confidence_threshold"):
         DraftModel(target, confidence_threshold=1.5)
+    with pytest.raises(ValueError, match="path_confidence"):
+        DraftModel(target, path_confidence=-0.1)
+
+
+def _path_probs(draft, context: list[int], tokens: list[int]) -> list[float]:
+    """The draft's probability of each of ``tokens`` after ``context`` + the tokens before it (greedy drafts)."""
+    with torch.no_grad():
+        logits = draft(torch.tensor([context + tokens])).logits[0, len(context) - 1 : -1]  # [len(tokens), vocab]
+    probs = torch.softmax(logits.float(), -1)
+    return [float(probs[i, token]) for i, token in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.6, 0.9])
+def test_path_confidence_stops_where_the_draft_path_probability_falls_below_it(target, threshold):
+    draft = noisy_copy(target, noise=0.6, seed=3)
+    prompt = [2, 9, 4, 7]
+    free = DraftModel(draft).start(prompt, SamplingParams()).propose(DraftContext(prompt), 12, torch.Generator())
+    stopped = DraftModel(draft, path_confidence=threshold).start(prompt, SamplingParams()).propose(DraftContext(prompt), 12, torch.Generator())
+    products = torch.tensor(_path_probs(draft, prompt, free.tokens)).cumprod(0).tolist()
+    # The rule drafts up to and including the first token whose path product drops below the threshold.
+    expected = next((i + 1 for i, product in enumerate(products) if product < threshold), len(free.tokens))
+    assert stopped.tokens == free.tokens[:expected]
+    assert 1 <= len(stopped.tokens) <= 12

@@ -33,10 +33,12 @@ def _add_sampling_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--seed", type=int, default=None, help="sampling seed (each generation starts from it)")
 
 
-def _add_kernel_options(sub: argparse.ArgumentParser) -> None:
+def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | None = None) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
     sub.add_argument("--target-kernels", choices=["auto", "panel", "packed", "dense"], default="auto", help="auto (default): time panel against packed on the target's own weights when it is prepared (about two seconds) and keep the faster here, which differs by CPU (see Performance); panel: our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second); packed: oneDNN-packed weights; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
+    default = f"default {path_confidence}" if path_confidence is not None else "default: off"
+    sub.add_argument("--draft-path-confidence", type=float, default=path_confidence, metavar="P", help=f"stop drafting a round once the product of the draft model's probabilities of this round's tokens is below P (its own estimate that the whole draft is accepted); 0 = off; {default}")
     sub.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft model: draft over the first N token ids plus the special ones only (byte-level BPE numbers tokens by merge order, roughly by frequency), so a draft step multiplies by N LM-head rows instead of all; 0 = the full vocabulary (default). Exact either way")
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE or parallel head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
     sub.add_argument("--draft-kernels", choices=["panel", "torch"], default="panel", help="panel (default): the lean draft forward through our AVX2 few-row kernels, a whole draft step in one call into them, and the draft's output layer too (same int8 weights; activations in float32, or in 8 bits where the CPU has VNNI dot products; falls back where they cannot run); torch: PyTorch's (fbgemm int8) kernels op by op. The output is the target's either way")
@@ -69,6 +71,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.draft_confidence is not None and not 0.0 <= args.draft_confidence < 1.0:
         raise ValueError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
+    if args.draft_path_confidence is not None and not 0.0 <= args.draft_path_confidence < 1.0:
+        raise ValueError(f"--draft-path-confidence must be in [0, 1), got {args.draft_path_confidence}")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
     if hasattr(args, "local_window"):
@@ -130,13 +134,14 @@ def _draft_kernels_used(args: argparse.Namespace) -> str:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding: the target's output, sooner.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def model_options(sub: argparse.ArgumentParser) -> None:
-        _add_loading_options(sub, drafter="ngram+draft", gamma=10)
+        _add_loading_options(sub, drafter="ngram+draft", gamma=STREAM_GAMMA, path_confidence=STREAM_PATH_CONFIDENCE)
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
         _add_sampling_options(sub)
         sub.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -189,12 +194,13 @@ DRAFTERS = ("draft-model", "ngram", "ngram+draft", "eagle", "parallel", "none")
 MODEL_DRAFTERS = ("draft-model", "ngram+draft")  # the drafters that run --draft
 
 
-def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-model", gamma: int = 6) -> None:
+def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-model", gamma: int = 6, path_confidence: float | None = None) -> None:
     """Which target and drafter, and how they run: every command that decodes with a drafter.
 
-    ``drafter`` / ``gamma``: the defaults. One stream (generate, compare) gets the fastest setting
-    measured on HumanEval, lookup + draft model with up to 10 drafts a round; serve keeps the draft
-    model with up to 6, the setting its concurrency measurements were made with."""
+    ``drafter`` / ``gamma`` / ``path_confidence``: the defaults. One stream (generate, compare) gets
+    the fastest setting measured on HumanEval (lookup + draft model, ``STREAM_GAMMA`` drafts a round
+    at most, ``STREAM_PATH_CONFIDENCE``); serve keeps the draft model with up to 6 and no stopping
+    rule, the setting its concurrency measurements were made with."""
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
@@ -211,7 +217,7 @@ def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-mod
     sub.add_argument("--gamma-control", choices=["adaptive", "fixed"], default="adaptive", help="adaptive (default): draft 0..gamma a round, chosen from this text's acceptance and the measured costs, decoding plainly while the text defeats the drafter (rejection attacks included); fixed: always gamma (serve: the batch policy's). Sampling with --seed (a seeded request) always drafts the fixed gamma, so its text depends on prompt and seed only, never on timings")
     sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
-    _add_kernel_options(sub)
+    _add_kernel_options(sub, path_confidence)
 
 
 def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
@@ -352,7 +358,10 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
         if args.drafter == "ngram":
             drafter = NgramDrafter()
         elif draft is not None:
-            drafter = DraftModel(draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None, lean=draft_lean(args), panel_kernels=draft_panel_kernels(args))
+            drafter = DraftModel(
+                draft, name=args.draft, confidence_threshold=args.draft_confidence, draft_vocab=args.draft_vocab or None,
+                lean=draft_lean(args), panel_kernels=draft_panel_kernels(args), path_confidence=args.draft_path_confidence or None,
+            )
             if args.drafter == "ngram+draft":
                 drafter = lookup_then_model(drafter)
     print(f"loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr)
@@ -650,7 +659,13 @@ def _bench(args: argparse.Namespace) -> int:
         prompts, per_set = _bench_prompts(args, preset, target.tokenizer)
     head_quantize = args.draft_quantize == "int8"
     far_memory = far_memory_from_args(args, "fold")
-    methods = {name: build_method(name, target, draft, args.gamma, args.draft_confidence, eagle_head, head_quantize, far_memory, parallel_head, args.draft_vocab or None, draft_lean(args), draft_panel_kernels(args)) for name in names}
+    methods = {
+        name: build_method(
+            name, target, draft, args.gamma, args.draft_confidence, eagle_head, head_quantize, far_memory, parallel_head, args.draft_vocab or None,
+            draft_lean(args), draft_panel_kernels(args), args.draft_path_confidence or None,
+        )
+        for name in names
+    }
     answer_method = build_method("plain", target, None, args.gamma) if args.multi_turn and "plain" not in methods else None
     settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup, chat=not args.raw)
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
 from verispec.sampling import SamplingParams
 
 
@@ -49,12 +50,14 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("hf-lookup", "hf", False, "transformers prompt lookup (prompt_lookup_num_tokens=10)"),
     ]
 }
+# What `generate` and `compare` run by default, as a bench method.
+STREAM_DEFAULT_METHOD = f"ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM_PATH_CONFIDENCE}"
 # The full run: every method but ngram-adaptive (lookup drafts cost nothing, so adapting their
-# number changes little) and fixed-gamma ngram+draft, plus the generate/compare default (ngram+draft,
-# adaptive, up to 10 drafts), to keep 21 prompts x 8 methods at ~90 minutes on the 2-core CPU.
-# EAGLE and parallel methods need a trained head (--eagle-head, --parallel-head), so they run when asked for.
+# number changes little) and fixed-gamma ngram+draft, plus the generate/compare default, to keep
+# 21 prompts x 8 methods at ~90 minutes on the 2-core CPU. EAGLE and parallel methods need a
+# trained head (--eagle-head, --parallel-head), so they run when asked for.
 DEFAULT_METHODS = tuple(
-    "ngram+draft-adaptive:gamma=10" if name == "ngram+draft-adaptive" else name
+    STREAM_DEFAULT_METHOD if name == "ngram+draft-adaptive" else name
     for name in METHODS
     if name not in ("ngram-adaptive", "ngram+draft") and not name.startswith(("eagle", "parallel"))
 )
@@ -83,6 +86,8 @@ _OPTIONS = {
                      lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "confidence": _Option("draft model: stop a round's drafting below this draft probability, in [0, 1); 0 = never", float, lambda v: 0 <= v < 1,
                           lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "path": _Option("draft model: stop a round's drafting once the product of its draft probabilities is below this, in [0, 1); 0 = never", float,
+                    lambda v: 0 <= v < 1, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
 }
 METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
@@ -95,6 +100,7 @@ class MethodVariant:
     gamma: int | None = None
     vocab: int | None = None
     confidence: float | None = None
+    path: float | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -239,6 +245,7 @@ def build_method(
     draft_vocab: int | None = None,
     draft_lean: bool | None = None,
     draft_panel_kernels: bool = True,
+    draft_path_confidence: float | None = None,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
@@ -255,6 +262,7 @@ def build_method(
     ``draft_vocab``: our draft-model methods draft over the first N token ids (+ special ones) only.
     ``draft_lean``: ``DraftModel(lean=...)`` for our draft-model methods (None: our lean forward where it applies).
     ``draft_panel_kernels``: ``DraftModel(panel_kernels=...)`` for our draft-model methods.
+    ``draft_path_confidence``: ``DraftModel(path_confidence=...)`` for our draft-model methods.
     """
     variant = parse_variant(name)
     label = name  # the full name, settings included, labels the rows; the base name picks the method
@@ -268,14 +276,23 @@ def build_method(
         draft_vocab = variant.vocab or None
     if variant.confidence is not None:
         draft_confidence = variant.confidence or None
+    if variant.path is not None:
+        draft_path_confidence = variant.path or None
     from verispec.drafters import DraftModel, NgramDrafter, lookup_then_model
     from verispec.engine import SpeculativeDecoder
 
     if name == "plain":
         return OursMethod(label, SpeculativeDecoder(target))
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
+
+    def model_drafter() -> DraftModel:
+        return DraftModel(
+            draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean,
+            panel_kernels=draft_panel_kernels, path_confidence=draft_path_confidence,
+        )
+
     if name.startswith("draft-model"):
-        drafter = DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean, panel_kernels=draft_panel_kernels)
+        drafter = model_drafter()
     elif name.startswith("eagle"):
         from verispec.drafters.eagle import EagleDrafter
 
@@ -293,7 +310,7 @@ def build_method(
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
         drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, name=name)
     elif name.startswith("ngram+"):
-        drafter = lookup_then_model(DraftModel(draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean, panel_kernels=draft_panel_kernels))
+        drafter = lookup_then_model(model_drafter())
     else:
         drafter = NgramDrafter()
     return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))

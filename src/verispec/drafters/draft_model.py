@@ -24,6 +24,12 @@ class DraftModel:
     where they get accepted. The stopping rule looks only at the draft's randomness, so the
     verifier still sees a valid draft and the output stays exact.
 
+    ``path_confidence``: stop a round early once the product of the draft's probabilities of this
+    round's tokens falls below this: the draft's own estimate that the whole draft so far is
+    accepted (EAGLE-2 ranks draft paths by the same product). One unsure token ends a round as the
+    per-token threshold does, and so do several fairly sure ones in a row. Exact for the same
+    reason: the rule reads only the draft's own outputs.
+
     ``draft_vocab``: restrict the draft distribution to these token ids (a tensor), or to the
     first N ids plus the special ones (an int, see :func:`leading_token_ids`): each draft step
     then multiplies by those LM-head rows only, the costliest matrix of a small model. Exact
@@ -49,12 +55,15 @@ class DraftModel:
         draft_vocab: int | torch.Tensor | None = None,  # [draft_vocab] int64 ids, or a count
         lean: bool | None = None,
         panel_kernels: bool = True,
+        path_confidence: float | None = None,
     ) -> None:
         self.model, self.tokenizer = unwrap_model(model, argument="DraftModel(model)")
-        if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
-            raise ValueError(f"confidence_threshold must be in [0, 1) or None, got {confidence_threshold!r}")
+        for argument, threshold in (("confidence_threshold", confidence_threshold), ("path_confidence", path_confidence)):
+            if threshold is not None and not 0.0 <= threshold < 1.0:
+                raise ValueError(f"{argument} must be in [0, 1) or None, got {threshold!r}")
         self.name = name
         self.confidence_threshold = confidence_threshold
+        self.path_confidence = path_confidence
         lm_head = self.model.get_output_embeddings()
         self.vocab_size = int(lm_head.out_features)
         if isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool):
@@ -84,7 +93,7 @@ class DraftModel:
             lm: CachedLM = LeanLM(self.model, self.lean_decoder, lm_head=self.lm_head)
         else:
             lm = CachedLM(self.model, lm_head=self.lm_head)
-        return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size)
+        return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size, self.path_confidence)
 
 
 class DraftModelSession:
@@ -95,10 +104,12 @@ class DraftModelSession:
         confidence_threshold: float | None,
         vocab_ids: torch.Tensor | None = None,  # [draft_vocab] int64: what logit index i means; None = i itself
         vocab_size: int | None = None,  # the full vocabulary q_draft is reported over
+        path_confidence: float | None = None,
     ) -> None:
         self.lm = lm
         self.sampling = sampling
         self.confidence_threshold = confidence_threshold
+        self.path_confidence = path_confidence
         self.vocab_ids = vocab_ids
         self.vocab_size = vocab_size
 
@@ -107,26 +118,28 @@ class DraftModelSession:
         pending = self.lm.sync(context.token_ids)
         tokens: list[int] = []
         step_probs: list[torch.Tensor] = []
+        path_prob = 1.0  # the draft's probability of this round's tokens so far
+        stop_rules = self.confidence_threshold is not None or self.path_confidence is not None
         while len(tokens) < max_tokens:
             logits = self.lm.extend(pending, num_logits=1).logits[0]  # [draft_vocab]
             if self.sampling.is_greedy:
                 index = int(logits.argmax())
-                confident = self._confident(lambda: torch.softmax(logits, -1)[index])
+                token_prob = float(torch.softmax(logits, -1)[index]) if stop_rules else 1.0
             else:
                 probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
                 index = int(sample_from(probs, generator))
                 step_probs.append(full_vocab_probs(probs, self.vocab_ids, self.vocab_size))
-                confident = self._confident(lambda: probs[index])
+                token_prob = float(probs[index])
             token = index if self.vocab_ids is None else int(self.vocab_ids[index])
             tokens.append(token)
             pending = [token]
-            if not confident:
+            path_prob *= token_prob
+            if self.confidence_threshold is not None and token_prob < self.confidence_threshold:
+                break
+            if self.path_confidence is not None and path_prob < self.path_confidence:
                 break
         probs = torch.stack(step_probs) if step_probs else None
         return Proposal(tokens=tokens, probs=probs, num_forward_passes=len(tokens))
-
-    def _confident(self, token_prob) -> bool:  # noqa: ANN001 - a thunk, evaluated only when a threshold is set
-        return self.confidence_threshold is None or float(token_prob()) >= self.confidence_threshold
 
     def close(self) -> None:
         self.lm.release()
