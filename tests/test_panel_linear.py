@@ -46,16 +46,21 @@ def test_float32_layers_pack_as_wide_as_the_kernels_built_here():
 
 @needs_kernels
 @pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32, reason="the wide AVX-512 float32 kernels are not built here")
-def test_wide_float32_rows_do_not_depend_on_how_many_rows_come_together():
-    # One accumulator chain per output: a verification pass over 13 rows (chunks of 7 and 6) gives
-    # bit for bit the products of 13 one-row steps, so batching cannot flip a greedy near-tie.
-    torch.manual_seed(0)
+@pytest.mark.parametrize("rows", [12, 13, 17, 24, 25, 37])
+def test_wide_float32_rows_do_not_depend_on_how_many_rows_come_together(rows):
+    # One accumulator chain per output: a verification pass over 13 rows (chunks of 7 and 6, taken
+    # together 128 k-steps at a time; 1000 inputs end in a partial block) gives bit for bit the
+    # products of 13 one-row steps, so batching cannot flip a greedy near-tie. 25 and 37 rows: a
+    # pair of chunks, then a chunk (or pair) after it.
+    torch.manual_seed(rows)
     layer = PanelLinear(torch.nn.Linear(1000, 70))
-    x = torch.randn(13, 1000)
+    x = torch.randn(rows, 1000)
     with torch.inference_mode():
         together = layer(x)
-        one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(13)])
+        one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(together, one_by_one)
+    reference = x.double() @ layer.weight.double().T + layer.bias.double()
+    torch.testing.assert_close(together.double(), reference, atol=1e-4, rtol=1e-5)
 
 
 @needs_kernels
