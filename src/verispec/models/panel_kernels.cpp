@@ -270,7 +270,10 @@ static inline void store(float* y, float value, bool accumulate) {
 // arithmetic of all its rows. One chunk after the other, the second chunk re-read the panel from
 // L2 after the first had streamed it: on the 2-core Xeon (2026-12-01, 1.5 GB of the target's body
 // shapes, 2 threads) 13 rows then cost 1.21x 12 rows (93 against 77 ms), a 14-token verification
-// pass 1.37x an 11-token one. Every output's chain of FMAs is unchanged, so the sums are too.
+// pass 1.37x an 11-token one. Together: 13 / 14 / 17 rows 4-7% cheaper (89 / 91 / 99 ms against
+// 95 / 98 / 103, interleaved), 24-128 rows (prefill) unchanged; the rest of the gap to 12 rows is the
+// extra arithmetic, which does not overlap the weight stream (README, Performance). Every output's
+// chain of FMAs is unchanged, so the sums are too.
 template <int WIDTH, int MAX_ROWS, typename Entry, bool ACCUMULATE, int64_t K_BLOCK = 0, typename Compute, typename Value>
 static inline void for_panel_chunks(int64_t M, int64_t N, int64_t K, float* y, int64_t ldy, Compute compute, Value value) {
   constexpr int GROUP = K_BLOCK > 0 ? 2 : 1;
