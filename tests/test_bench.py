@@ -12,6 +12,7 @@ from verispec.bench.methods import RunOutput
 from verispec.bench.prompts import Prompt, first_per_category, prompts_from_file, spec_bench_prompts
 from verispec.bench.runner import WARMUP_TOKENS, BenchSettings, Row, run_bench
 from verispec.bench.summary import first_difference, speedup, summarize
+from verispec.drafters.draft_model import DraftModelSettings
 from verispec.cli import main
 from verispec.sampling import SamplingParams
 
@@ -127,10 +128,11 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     from verispec.models import load_model
 
     model = load_model(tiny_gguf)
-    default = bench_methods.build_method("draft-model", model, model, gamma=4, draft_confidence=0.5, draft_vocab=30)
+    run_settings = DraftModelSettings(confidence_threshold=0.5, draft_vocab=30)
+    default = bench_methods.build_method("draft-model", model, model, gamma=4, draft_settings=run_settings)
     assert default.decoder.gamma == 4 and default.decoder.drafter.confidence_threshold == 0.5
     assert len(default.decoder.drafter.vocab_ids) >= 30
-    variant = bench_methods.build_method("draft-model-adaptive:gamma=7:vocab=0:confidence=0.25", model, model, gamma=4, draft_confidence=0.5, draft_vocab=30)
+    variant = bench_methods.build_method("draft-model-adaptive:gamma=7:vocab=0:confidence=0.25", model, model, gamma=4, draft_settings=run_settings)
     assert variant.name == "draft-model-adaptive:gamma=7:vocab=0:confidence=0.25"
     assert variant.decoder.gamma == 7 and variant.decoder._gamma_controller is not None
     assert variant.decoder.drafter.confidence_threshold == 0.25 and variant.decoder.drafter.vocab_ids is None  # 0: the full vocabulary
@@ -139,10 +141,13 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert combined.decoder.gamma == 7 and combined.decoder._gamma_controller is not None
     assert combined.decoder.drafter.name == f"ngram+{model.name}"
     assert combined.decoder.drafter.fallback.path_confidence is None
-    path = bench_methods.build_method("ngram+draft-adaptive:path=0.45", model, model, gamma=4, draft_path_confidence=0.2)
+    path = bench_methods.build_method("ngram+draft-adaptive:path=0.45", model, model, gamma=4, draft_settings=DraftModelSettings(path_confidence=0.2))
     assert path.decoder.drafter.fallback.path_confidence == 0.45
-    assert bench_methods.build_method("draft-model:path=0", model, model, gamma=4, draft_path_confidence=0.2).decoder.drafter.path_confidence is None
-    assert bench_methods.build_method("draft-model", model, model, gamma=4, draft_path_confidence=0.2).decoder.drafter.path_confidence == 0.2
+    assert bench_methods.build_method("draft-model:path=0", model, model, gamma=4, draft_settings=DraftModelSettings(path_confidence=0.2)).decoder.drafter.path_confidence is None
+    assert bench_methods.build_method("draft-model", model, model, gamma=4, draft_settings=DraftModelSettings(path_confidence=0.2)).decoder.drafter.path_confidence == 0.2
+    assert bench_methods.build_method("plain", model, None, gamma=4).decoder.screen_lm_head is True
+    assert bench_methods.build_method("plain:screen=0", model, None, gamma=4).decoder.screen_lm_head is False
+    assert bench_methods.build_method("ngram:screen=1", model, None, gamma=4, screen_lm_head=False).decoder.screen_lm_head is True
     # The bench's default methods include exactly what generate/compare run by default.
     from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
 
@@ -229,7 +234,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
         (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
         (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
-        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, got 'speed=11'"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, screen, got 'speed=11'"),
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-path-confidence", "1"], "--draft-path-confidence must be in"),

@@ -58,11 +58,13 @@ def test_generate_plain_matches_speculative_text(tiny_gguf, capsys):
 
 
 def test_draft_forward_option_picks_the_draft_models_forward_and_keeps_the_text(tiny_gguf, capsys):
-    from verispec.cli import _build_parser, draft_lean
+    from verispec.cli import _build_parser, draft_model_settings
 
     parser = _build_parser()
-    assert draft_lean(parser.parse_args(["generate", "x"])) is None  # lean where the model allows
-    assert draft_lean(parser.parse_args(["bench", "--draft-forward", "transformers"])) is False
+    assert draft_model_settings(parser.parse_args(["generate", "x"])).lean is None  # lean where the model allows
+    assert draft_model_settings(parser.parse_args(["bench", "--draft-forward", "transformers"])).lean is False
+    settings = draft_model_settings(parser.parse_args(["bench", "--draft-vocab", "0", "--draft-path-confidence", "0", "--draft-kernels", "torch"]))
+    assert (settings.draft_vocab, settings.path_confidence, settings.panel_kernels) == (None, None, False)  # 0 = off
     common = ["generate", "--target", tiny_gguf, "--draft", tiny_gguf, "--max-new-tokens", "10", "--raw", "hello the"]
     texts = []
     for forward in ("lean", "transformers"):
@@ -142,6 +144,24 @@ def test_one_stream_commands_default_to_the_measured_fastest_setting():
         assert _build_parser().parse_args([command, "--draft-path-confidence", "0", "x"]).draft_path_confidence == 0.0  # 0 = off
     serve = _build_parser().parse_args(["serve"])
     assert (serve.drafter, serve.gamma, serve.draft_path_confidence) == ("draft-model", 6, None)
+
+
+def test_greedy_lm_head_option_reaches_every_decoder_and_keeps_the_text(tiny_gguf, capsys):
+    from verispec.cli import _build_parser, serve_config
+
+    for command in ("generate", "compare", "bench", "serve"):
+        assert _build_parser().parse_args([command, "x"] if command in ("generate", "compare") else [command]).greedy_lm_head == "screened"
+    assert serve_config(_build_parser().parse_args(["serve"])).scheduler.screen_lm_head is True
+    assert serve_config(_build_parser().parse_args(["serve", "--greedy-lm-head", "full"])).scheduler.screen_lm_head is False
+    common = ["generate", "--target", tiny_gguf, "--draft", "none", "--max-new-tokens", "10", "--raw", "hello the"]
+    texts = []
+    for head in ("screened", "full"):
+        assert main([*common, "--greedy-lm-head", head]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    with pytest.raises(SystemExit):
+        main([*common, "--greedy-lm-head", "int8"])
+    assert "--greedy-lm-head" in capsys.readouterr().err
 
 
 def test_compare_refuses_no_drafter(tiny_gguf, capsys):

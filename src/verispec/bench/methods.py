@@ -88,6 +88,8 @@ _OPTIONS = {
                           lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "path": _Option("draft model: stop a round's drafting once the product of its draft probabilities is below this, in [0, 1); 0 = never", float,
                     lambda v: 0 <= v < 1, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "screen": _Option("greedy target passes: 1 = the LM head's argmax through its exact int8 screen, 0 = every logit in float32 (the run's --greedy-lm-head otherwise)", int,
+                      lambda v: v in (0, 1), lambda base: METHODS[base].family == "ours", "our methods"),
 }
 METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
@@ -101,6 +103,7 @@ class MethodVariant:
     vocab: int | None = None
     confidence: float | None = None
     path: float | None = None
+    screen: int | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -237,32 +240,27 @@ def build_method(
     target: Any,
     draft: Any | None,
     gamma: int,
-    draft_confidence: float | None = None,
     eagle_head: Any | None = None,
     head_quantize: bool = False,
     far_memory: Any | None = None,
     parallel_head: Any | None = None,
-    draft_vocab: int | None = None,
-    draft_lean: bool | None = None,
-    draft_panel_kernels: bool = True,
-    draft_path_confidence: float | None = None,
+    draft_settings: Any | None = None,
+    screen_lm_head: bool = True,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
     ``name`` may carry ``:key=value`` settings (:func:`parse_variant`) that override ``gamma``,
-    ``draft_vocab`` and ``draft_confidence`` for this method; the method keeps the full name as its label.
+    ``screen_lm_head`` and the draft settings for this method; the method keeps the full name as its label.
 
-    ``draft_confidence``: our draft-model methods stop a round's drafting below this probability.
     ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods;
     ``head_quantize``: run the EAGLE and parallel heads with int8 linears.
     ``far_memory``: the ``FarMemoryConfig`` whose window / temperature / weight eagle-local and
     eagle-fold use (each sets its own mode; default: the config's defaults); eagle and
     eagle-adaptive always attend as trained.
     ``parallel_head``: the parallel head (checkpoint path or ``ParallelHead``) for the parallel methods.
-    ``draft_vocab``: our draft-model methods draft over the first N token ids (+ special ones) only.
-    ``draft_lean``: ``DraftModel(lean=...)`` for our draft-model methods (None: our lean forward where it applies).
-    ``draft_panel_kernels``: ``DraftModel(panel_kernels=...)`` for our draft-model methods.
-    ``draft_path_confidence``: ``DraftModel(path_confidence=...)`` for our draft-model methods.
+    ``draft_settings``: the :class:`~verispec.drafters.draft_model.DraftModelSettings` of our
+    draft-model methods (default: its defaults).
+    ``screen_lm_head``: ``SpeculativeDecoder(screen_lm_head=...)`` for our methods (greedy passes).
     """
     variant = parse_variant(name)
     label = name  # the full name, settings included, labels the rows; the base name picks the method
@@ -271,25 +269,23 @@ def build_method(
         raise ValueError(f"method {name!r} needs a draft model")
     if spec.family == "hf":
         return _build_hf(name, target, draft)
-    gamma = variant.gamma if variant.gamma is not None else gamma
-    if variant.vocab is not None:
-        draft_vocab = variant.vocab or None
-    if variant.confidence is not None:
-        draft_confidence = variant.confidence or None
-    if variant.path is not None:
-        draft_path_confidence = variant.path or None
-    from verispec.drafters import DraftModel, NgramDrafter, lookup_then_model
+    from verispec.drafters import NgramDrafter, lookup_then_model
+    from verispec.drafters.draft_model import DraftModel, DraftModelSettings
     from verispec.engine import SpeculativeDecoder
 
+    gamma = variant.gamma if variant.gamma is not None else gamma
+    settings = draft_settings if draft_settings is not None else DraftModelSettings()
+    overrides = {"draft_vocab": variant.vocab, "confidence_threshold": variant.confidence, "path_confidence": variant.path}
+    settings = replace(settings, **{key: value or None for key, value in overrides.items() if value is not None})  # 0 = off
+    if variant.screen is not None:
+        screen_lm_head = bool(variant.screen)
+
     if name == "plain":
-        return OursMethod(label, SpeculativeDecoder(target))
+        return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head))
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
 
     def model_drafter() -> DraftModel:
-        return DraftModel(
-            draft, name=draft.name, confidence_threshold=draft_confidence, draft_vocab=draft_vocab, lean=draft_lean,
-            panel_kernels=draft_panel_kernels, path_confidence=draft_path_confidence,
-        )
+        return settings.build(draft, name=draft.name)
 
     if name.startswith("draft-model"):
         drafter = model_drafter()
@@ -313,7 +309,7 @@ def build_method(
         drafter = lookup_then_model(model_drafter())
     else:
         drafter = NgramDrafter()
-    return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, **adaptive))
+    return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, **adaptive))
 
 
 def _build_hf(name: str, target: Any, draft: Any | None) -> HFMethod:

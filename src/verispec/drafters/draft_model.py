@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,6 +95,24 @@ class DraftModel:
         else:
             lm = CachedLM(self.model, lm_head=self.lm_head)
         return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size, self.path_confidence)
+
+
+@dataclass(frozen=True)
+class DraftModelSettings:
+    """The :class:`DraftModel` options a run sets once for every drafter it builds (the CLI's
+    ``--draft-*`` options, a bench method's ``:key=value`` overrides); see :class:`DraftModel`."""
+
+    confidence_threshold: float | None = None
+    path_confidence: float | None = None
+    draft_vocab: int | None = None  # a token count (the first N ids + the special ones)
+    lean: bool | None = None
+    panel_kernels: bool = True
+
+    def build(self, model: Any, name: str = "draft-model") -> DraftModel:
+        return DraftModel(
+            model, name=name, confidence_threshold=self.confidence_threshold, draft_vocab=self.draft_vocab, lean=self.lean,
+            panel_kernels=self.panel_kernels, path_confidence=self.path_confidence,
+        )
 
 
 class DraftModelSession:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,12 @@ def cache_argument_name(body_class: type) -> str:
 class CachedLM:
     """A Hugging Face causal LM with the KV cache of one growing, croppable sequence."""
 
-    def __init__(self, model: PreTrainedModel, lm_head: torch.nn.Module | None = None) -> None:
-        """``lm_head``: an output layer to use instead of the model's own (a drafter's reduced-vocabulary rows)."""
+    def __init__(self, model: PreTrainedModel, lm_head: torch.nn.Module | None = None, argmax_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``lm_head``: an output layer to use instead of the model's own (a drafter's reduced-vocabulary rows).
+
+        ``argmax_head``: what :meth:`extend` computes instead of the LM head when only the argmax of
+        the logits matters (``argmax_only``): logits whose argmax is the head's, e.g.
+        :class:`~verispec.models.screened_head.ScreenedArgmaxHead` (exact where it matters, -inf elsewhere)."""
         self.model = model
         # The body and the LM head separately: the head (vocab x hidden) is the costliest matrix
         # of a small model, so it runs only on the rows whose logits are needed (none in prefill),
@@ -41,6 +46,9 @@ class CachedLM:
         config = model.config.get_text_config(decoder=True)
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._logit_scale = getattr(config, "logit_scale", None)
+        # Soft-capping saturates (distinct logits can cap to one value) and a scale could flip the
+        # order: the argmax shortcut is only taken for plain logits.
+        self.argmax_head = argmax_head if self._softcap is None and self._logit_scale is None else None
         self.device = next(model.parameters()).device
         self._cache_kwarg = cache_argument_name(type(self.body))
         self.cache = self._empty_cache()
@@ -55,10 +63,12 @@ class CachedLM:
         return len(self.token_ids)
 
     @torch.inference_mode()
-    def extend(self, new_ids: list[int], num_logits: int = 1) -> ForwardOutput:
+    def extend(self, new_ids: list[int], num_logits: int = 1, argmax_only: bool = False) -> ForwardOutput:
         """Append ``new_ids`` to the cached sequence in one forward pass.
 
         Returns the logits predicting the token after each of the last ``num_logits`` fed tokens.
+        ``argmax_only``: the caller reads only each row's argmax (greedy decoding), so the logits may
+        come from ``argmax_head``: -inf except where a token can be the argmax.
         """
         if not new_ids:
             raise ValueError("extend() needs at least one new token")
@@ -67,11 +77,15 @@ class CachedLM:
         input_ids = torch.tensor(new_ids, dtype=torch.long, device=self.device)
         features = self._run_body(input_ids)  # [num_fed, hidden]
         self.token_ids.extend(new_ids)
-        logits = self.logits(features[len(new_ids) - num_logits :]) if num_logits else features.new_empty(0, self.vocab_size)
+        logits = self.logits(features[len(new_ids) - num_logits :], argmax_only) if num_logits else features.new_empty(0, self.vocab_size)
         return ForwardOutput(logits=logits, features=features)
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """LM-head logits (float32, scaled / soft-capped as the model defines) of top-layer features [n, hidden]."""
+    def logits(self, features: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        """LM-head logits (float32, scaled / soft-capped as the model defines) of top-layer features [n, hidden].
+
+        ``argmax_only``: through ``argmax_head`` if there is one (only each row's argmax is meaningful)."""
+        if argmax_only and self.argmax_head is not None:
+            return self.argmax_head(features)
         logits = self.lm_head(features).float()
         if self._logit_scale is not None:  # Cohere-style scaled heads
             logits = logits * self._logit_scale

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from verispec.engine.cached_lm import CachedLM
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
 from verispec.models.panel_linear import PanelLinear, panel_library, panel_or_same
 from verispec.models.quantize import is_quantized, stacked_linear
+from verispec.models.screened_head import ScreenedArgmaxHead
 
 _FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -88,17 +90,22 @@ def target_runs_lean(model: nn.Module) -> bool:
     return _runs_panel_kernels(model) and lean_unsupported_reason(model) is None
 
 
-def target_lm(model: nn.Module) -> CachedLM:
+def target_lm(model: nn.Module, screen_lm_head: bool = True) -> CachedLM:
     """The cached sequence the engine runs a target through: a :class:`LeanLM` when the target runs
     the panel kernels and the lean forward covers it — then a pass over up to 128 tokens is one
     kernel call over the model's own packed weights (no copy), ~25 ms less per 1.5B pass than
     transformers' forward around the same kernels — else a :class:`CachedLM`.
 
     Exactness is unaffected: plain and speculative decoding both run this, and with the AVX-512
-    kernels every row of a pass is computed exactly as a 1-token pass computes it."""
+    kernels every row of a pass is computed exactly as a 1-token pass computes it.
+
+    ``screen_lm_head``: greedy passes (``extend(..., argmax_only=True)``) take the argmax of a
+    float32 panel LM head through its int8 screen (:class:`~verispec.models.screened_head.ScreenedArgmaxHead`:
+    the same argmax, about a quarter of the head's bytes)."""
+    argmax_head = ScreenedArgmaxHead.for_head(model.get_output_embeddings()) if screen_lm_head else None
     if target_runs_lean(model):
-        return LeanLM(model, LeanDecoder.shared(model))
-    return CachedLM(model)
+        return LeanLM(model, LeanDecoder.shared(model), argmax_head=argmax_head)
+    return CachedLM(model, argmax_head=argmax_head)
 
 
 @dataclass
@@ -262,9 +269,9 @@ _SHARED: "weakref.WeakKeyDictionary[nn.Module, dict[bool, LeanDecoder]]" = weakr
 class LeanLM(CachedLM):
     """:class:`CachedLM` (same extend / crop / sync / release) running a :class:`LeanDecoder` on its own cache."""
 
-    def __init__(self, model: nn.Module, decoder: LeanDecoder, lm_head: nn.Module | None = None) -> None:
+    def __init__(self, model: nn.Module, decoder: LeanDecoder, lm_head: nn.Module | None = None, argmax_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.decoder = decoder
-        super().__init__(model, lm_head=lm_head)
+        super().__init__(model, lm_head=lm_head, argmax_head=argmax_head)
 
     def _empty_cache(self) -> list[LayerKVCache]:
         return self.decoder.new_cache()

@@ -540,6 +540,27 @@ void verispec_panel_linear_f32(const float* x, int64_t M, int64_t K, const float
   panel_linear<false>(x, M, Weight{packed, N, K, nullptr, nullptr, bias}, y, num_threads);
 }
 
+// The float32 product over some of a weight's panels: y [M][num_ids * F32_PANEL], column block j
+// holding the outputs of panel panel_ids[j] (no bias). The kernel computes every output with its own
+// chain of FMAs, the same whichever panels run beside it, so these are bit for bit the values the
+// product over all panels gives (screened_head.py computes only the logits that can be the argmax).
+void verispec_panel_linear_f32_panels(const float* x, int64_t M, int64_t K, const float* packed, const int64_t* panel_ids,
+                                      int64_t num_ids, float* y, int num_threads) {
+  const int64_t panel_floats = K * F32_PANEL;
+#if defined(__AVX512F__)
+  constexpr int64_t K_BLOCK = F32_K_BLOCK;
+#else
+  constexpr int64_t K_BLOCK = 0;
+#endif
+#pragma omp parallel num_threads(num_threads)
+  for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, false, K_BLOCK>(
+      M, num_ids * F32_PANEL, K, y, num_ids * F32_PANEL,
+      [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
+        f32_chunk_rows(rows, x + m0 * K, K, packed + panel_ids[p] * panel_floats, out, k0, k1);
+      },
+      [](float entry, int64_t, int64_t) { return entry; });
+}
+
 void verispec_panel_linear_i8(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N, const float* scale,
                               const int32_t* colsum, const float* bias, float* y, int num_threads) {
   panel_linear<true>(x, M, Weight{packed, N, K, scale, colsum, bias}, y, num_threads);

@@ -27,6 +27,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from verispec.engine.cached_lm import CachedLM, ForwardOutput, cache_argument_name
+from verispec.models.screened_head import ScreenedArgmaxHead
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,13 @@ class BatchedTarget:
     then says how many of them each row keeps.
     """
 
-    def __init__(self, model: PreTrainedModel, compaction: CompactionPolicy | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, compaction: CompactionPolicy | None = None, screen_lm_head: bool = True) -> None:
         self.model = model
         self.compaction = compaction if compaction is not None else CompactionPolicy()
-        self._head = CachedLM(model)  # its LM head (scaling, soft-capping) turns features into logits
+        # Its LM head (scaling, soft-capping) turns features into logits; greedy passes may take the
+        # argmax through the head's int8 screen.
+        argmax_head = ScreenedArgmaxHead.for_head(model.get_output_embeddings()) if screen_lm_head else None
+        self._head = CachedLM(model, argmax_head=argmax_head)
         self.body = self._head.body
         self._cache_kwarg = cache_argument_name(type(self.body))
         if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
@@ -137,11 +141,12 @@ class BatchedTarget:
         self.compact_if_wasteful()
 
     @torch.inference_mode()
-    def extend(self, new_ids: list[list[int]], num_logits: list[int]) -> list[ForwardOutput]:
+    def extend(self, new_ids: list[list[int]], num_logits: list[int], argmax_only: bool = False) -> list[ForwardOutput]:
         """One forward pass feeding row ``i`` the tokens ``new_ids[i]`` (at least one each).
 
         Returns per row the logits for its last ``num_logits[i]`` fed tokens and the features of all
-        of them, as :meth:`CachedLM.extend` would. Call :meth:`commit` before the next pass.
+        of them, as :meth:`CachedLM.extend` would (``argmax_only``: every row decodes greedily, so only
+        the logits' argmax need be right). Call :meth:`commit` before the next pass.
         """
         if len(new_ids) != self.rows or len(num_logits) != self.rows:
             raise ValueError(f"new_ids and num_logits need one entry per row ({self.rows}), got {len(new_ids)} and {len(num_logits)}")
@@ -172,7 +177,7 @@ class BatchedTarget:
         features = [hidden[row, :length] for row, length in enumerate(self._fed)]  # each [len_i, hidden]
         # The LM head only on the rows whose logits are wanted, all rows in one matrix product.
         wanted = [f[len(f) - n :] for f, n in zip(features, num_logits)]
-        logits = self._head.logits(torch.cat(wanted)).split(num_logits)  # each [num_logits_i, vocab]
+        logits = self._head.logits(torch.cat(wanted), argmax_only).split(num_logits)  # each [num_logits_i, vocab]
         return [ForwardOutput(logits=l, features=f) for l, f in zip(logits, features)]
 
     def _attention_mask(self, fed_real: torch.Tensor) -> torch.Tensor:

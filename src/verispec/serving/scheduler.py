@@ -68,6 +68,9 @@ class SchedulerConfig:
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
     # The acceptance monitor's window and floor (a warning per request / key / global dip below it).
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    # Passes whose rows all decode greedily take the LM head's argmax through its exact int8 screen
+    # (models/screened_head.py) where the target runs the float32 panel kernels.
+    screen_lm_head: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gamma", "max_batch", "max_queue"):
@@ -145,7 +148,7 @@ class Scheduler:
         self.config = config if config is not None else SchedulerConfig()
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.monitor = monitor if monitor is not None else AcceptanceMonitor(self.config.monitor)
-        self.target = BatchedTarget(target, self.config.compaction)
+        self.target = BatchedTarget(target, self.config.compaction, self.config.screen_lm_head)
         self.drafter = drafter
         self.tokenizer = tokenizer
         self._wants_features = bool(drafter is not None and drafter.needs_target_features)
@@ -255,7 +258,8 @@ class Scheduler:
         feeds = [[row.tokens[-1]] + proposal.tokens for row, proposal in zip(rows, proposals)]
         try:
             pass_started = time.perf_counter()
-            outputs = self.target.extend(feeds, [len(feed) for feed in feeds])
+            greedy = all(row.request.sampling.is_greedy for row in rows)
+            outputs = self.target.extend(feeds, [len(feed) for feed in feeds], argmax_only=greedy)
             pass_s = time.perf_counter() - pass_started
         except Exception as error:  # noqa: BLE001 - the shared pass failed: nobody's tokens are valid
             logger.exception("batched target pass failed")
