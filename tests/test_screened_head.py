@@ -16,7 +16,7 @@ from verispec.serving.batch_cache import BatchedTarget
 pytestmark = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
 
-def peaked_head(vocab: int = 4000, hidden: int = 192, bias: bool = False, seed: int = 0) -> PanelLinear:
+def peaked_head(vocab: int = 20000, hidden: int = 192, bias: bool = False, seed: int = 0) -> PanelLinear:
     torch.manual_seed(seed)
     linear = torch.nn.Linear(hidden, vocab, bias=bias).requires_grad_(False)
     with torch.no_grad():
@@ -91,7 +91,7 @@ def _linear_of(weight: torch.Tensor) -> torch.nn.Linear:
 
 def test_unsure_rows_too_many_rows_and_bad_features_fall_back_to_the_full_head():
     weight = peaked_head().weight.detach().clone()
-    weight[:2000] = weight[0] + 1e-4 * torch.randn(2000, weight.shape[1])  # half the vocabulary within the screen's error
+    weight[:5000] = weight[0] + 1e-4 * torch.randn(5000, weight.shape[1])  # a quarter of the vocabulary within the screen's error
     head = PanelLinear(_linear_of(weight))
     screen = ScreenedArgmaxHead(head)
     unsure = features_near(head, [0, 1, 2])  # survivors in half the panels: the full head is cheaper
@@ -113,7 +113,7 @@ def test_only_float32_panel_heads_are_screened():
         ScreenedArgmaxHead(linear)
 
 
-def panel_target(vocab_size: int = 2048):
+def panel_target(vocab_size: int = 8192):
     return use_panel_kernels(tiny_target(vocab_size=vocab_size))
 
 
@@ -145,7 +145,7 @@ def test_the_screen_is_built_for_panel_targets_only_and_never_for_capped_logits(
     target = panel_target()
     assert isinstance(target_lm(target).argmax_head, ScreenedArgmaxHead)
     assert target_lm(target, screen_lm_head=False).argmax_head is None
-    assert target_lm(tiny_target(vocab_size=2048)).argmax_head is None  # PyTorch's kernels: nothing to screen
+    assert target_lm(tiny_target(vocab_size=8192)).argmax_head is None  # PyTorch's kernels: nothing to screen
     capped = panel_target()
     capped.config.final_logit_softcapping = 30.0  # saturating caps can tie distinct logits
     assert CachedLM(capped, argmax_head=ScreenedArgmaxHead.for_head(capped.lm_head)).argmax_head is None
