@@ -104,6 +104,11 @@ class ScreenedArgmaxHead:
             screen = _SHARED[head] = cls(head)
         return screen
 
+    @property
+    def float32_channels(self) -> list[int]:
+        """The feature channels kept out of the 8-bit activations so far (see ``OUTLIER_CHANNELS``)."""
+        return list(self._channel_slot)
+
     def covers(self, num_rows: int) -> bool:
         """Whether a product over this many rows runs the panel kernel (else the head falls back to PyTorch)."""
         return 0 < num_rows <= self.head.max_kernel_rows
