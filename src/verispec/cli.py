@@ -669,14 +669,15 @@ def _bench(args: argparse.Namespace) -> int:
         prompts, per_set = _bench_prompts(args, preset, target.tokenizer)
     head_quantize = args.draft_quantize == "int8"
     far_memory = far_memory_from_args(args, "fold")
+    draft_settings, screen = draft_model_settings(args), args.greedy_lm_head == "screened"
     methods = {
         name: build_method(
             name, target, draft, args.gamma, eagle_head=eagle_head, head_quantize=head_quantize, far_memory=far_memory, parallel_head=parallel_head,
-            draft_settings=draft_model_settings(args), screen_lm_head=args.greedy_lm_head == "screened",
+            draft_settings=draft_settings, screen_lm_head=screen,
         )
         for name in names
     }
-    answer_method = build_method("plain", target, None, args.gamma, screen_lm_head=args.greedy_lm_head == "screened") if args.multi_turn and "plain" not in methods else None
+    answer_method = build_method("plain", target, None, args.gamma, screen_lm_head=screen) if args.multi_turn and "plain" not in methods else None
     settings = BenchSettings(max_new_tokens=max_new_tokens, sampling=sampling, multi_turn=args.multi_turn, warmup=args.warmup, chat=not args.raw)
 
     recorded = {

@@ -270,7 +270,7 @@ def build_method(
     if spec.family == "hf":
         return _build_hf(name, target, draft)
     from verispec.drafters import NgramDrafter, lookup_then_model
-    from verispec.drafters.draft_model import DraftModel, DraftModelSettings
+    from verispec.drafters.draft_model import DraftModelSettings
     from verispec.engine import SpeculativeDecoder
 
     gamma = variant.gamma if variant.gamma is not None else gamma
@@ -283,12 +283,8 @@ def build_method(
     if name == "plain":
         return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head))
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
-
-    def model_drafter() -> DraftModel:
-        return settings.build(draft, name=draft.name)
-
     if name.startswith("draft-model"):
-        drafter = model_drafter()
+        drafter = settings.build(draft, name=draft.name)
     elif name.startswith("eagle"):
         from verispec.drafters.eagle import EagleDrafter
 
@@ -306,7 +302,7 @@ def build_method(
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
         drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, name=name)
     elif name.startswith("ngram+"):
-        drafter = lookup_then_model(model_drafter())
+        drafter = lookup_then_model(settings.build(draft, name=draft.name))
     else:
         drafter = NgramDrafter()
     return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, **adaptive))

@@ -35,11 +35,14 @@
 #define PANEL 8  // int8 panels, and float32 ones without AVX-512
 #define MAX_CHUNK_ROWS 12
 #define PREFETCH_BYTES 8192
+// F32_K_BLOCK: k steps per block when two row chunks share a panel pass (16 KB of panel); only the
+// float32 AVX-512 kernel continues sums across k blocks, the others take the whole k range (0).
 #if defined(__AVX512F__)
 #define F32_PANEL 32
-#define F32_K_BLOCK 128  // k steps per block when two row chunks share a panel pass: 16 KB of panel
+#define F32_K_BLOCK 128
 #else
 #define F32_PANEL PANEL
+#define F32_K_BLOCK 0
 #endif
 #define MAX_VNNI_CHUNK_ROWS 8
 
@@ -335,12 +338,7 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
   (void)x_quantized;
   constexpr int WIDTH = INT8 ? PANEL : F32_PANEL;
   const int64_t panel_bytes = K * WIDTH * (INT8 ? 1 : 4);
-  // The float32 AVX-512 kernel continues sums across k blocks; the others take the whole k range.
-#if defined(__AVX512F__)
   constexpr int64_t K_BLOCK = INT8 ? 0 : F32_K_BLOCK;
-#else
-  constexpr int64_t K_BLOCK = 0;
-#endif
   for_panel_chunks<WIDTH, MAX_CHUNK_ROWS, float, ACCUMULATE, K_BLOCK>(
       M, N, K, y, ldy,
       [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
@@ -547,13 +545,8 @@ void verispec_panel_linear_f32(const float* x, int64_t M, int64_t K, const float
 void verispec_panel_linear_f32_panels(const float* x, int64_t M, int64_t K, const float* packed, const int64_t* panel_ids,
                                       int64_t num_ids, float* y, int num_threads) {
   const int64_t panel_floats = K * F32_PANEL;
-#if defined(__AVX512F__)
-  constexpr int64_t K_BLOCK = F32_K_BLOCK;
-#else
-  constexpr int64_t K_BLOCK = 0;
-#endif
 #pragma omp parallel num_threads(num_threads)
-  for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, false, K_BLOCK>(
+  for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, false, F32_K_BLOCK>(
       M, num_ids * F32_PANEL, K, y, num_ids * F32_PANEL,
       [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
         f32_chunk_rows(rows, x + m0 * K, K, packed + panel_ids[p] * panel_floats, out, k0, k1);

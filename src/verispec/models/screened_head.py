@@ -89,7 +89,7 @@ class ScreenedArgmaxHead:
             self.int8_panels, self.colsum = pack_panels(rows), None
         self.bias = head.kernel_bias
         self.num_panels, _, self.panel_width = head.packed.shape
-        self.widest = (float(self.per_feature_norm.max()), float(self.per_activation_error.max()))
+        self.widest = (float(self.per_feature_norm.max()), float(self.per_activation_error.max()))  # the per-row factors' maxima
         self._channel_slot: dict[int, int] = {}  # outlier channel -> its row in _channel_columns
         self._channel_columns = torch.empty(MAX_CACHED_CHANNELS, self.vocab_size)  # [slots, vocab] float32 head columns
 
@@ -125,7 +125,7 @@ class ScreenedArgmaxHead:
         # (a superset of the survivors), and the exact bounds on what passes it.
         top, top_index = approx.max(dim=1, keepdim=True)  # [n, 1]
         lower = top.double() - self._bound(top, top_index, *bound_coeffs)  # [n, 1]: some token's logit reaches it
-        widest = feature_norm * self.widest[0] + activation_error * self.widest[1] + 1e-6 * approx.abs().amax(dim=1, keepdim=True).double() + 1e-4
+        widest = _bound(approx.abs().amax(dim=1, keepdim=True), *bound_coeffs, *self.widest)  # [n, 1] >= every B_v of the row
         # float32 threshold rounded down: the [n, vocab] comparison stays float32 and keeps a superset
         threshold = torch.nextafter((lower - _round_up(widest)).float(), torch.tensor(float("-inf")))
         row_ids, token_ids = torch.nonzero(approx >= threshold, as_tuple=True)
@@ -201,8 +201,17 @@ class ScreenedArgmaxHead:
         feature_norm: torch.Tensor,  # [r, 1] ||h|| (float64)
         activation_error: torch.Tensor,  # [r, 1] bound on ||h' - h'q|| (float64)
     ) -> torch.Tensor:  # [r, c] float64 B_v
-        bound = feature_norm * self.per_feature_norm[token_ids] + activation_error * self.per_activation_error[token_ids]
-        return bound + 1e-6 * approx.double().abs() + 1e-4
+        return _bound(approx, feature_norm, activation_error, self.per_feature_norm[token_ids], self.per_activation_error[token_ids])
+
+
+def _bound(
+    approx: torch.Tensor,  # [r, c] A_v (or an upper bound on |A_v|)
+    feature_norm: torch.Tensor,  # [r, 1] ||h|| (float64)
+    activation_error: torch.Tensor,  # [r, 1] bound on ||h' - h'q|| (float64)
+    per_feature_norm: torch.Tensor | float,  # [r, c] or a scalar: row v's factor of ||h||
+    per_activation_error: torch.Tensor | float,  # [r, c] or a scalar: row v's factor of ||h' - h'q||
+) -> torch.Tensor:  # [r, c] float64 B_v: the bound of the module docstring, plus slack for float32 rounding of A_v
+    return feature_norm * per_feature_norm + activation_error * per_activation_error + 1e-6 * approx.double().abs() + 1e-4
 
 
 def _activation_error(features: torch.Tensor) -> torch.Tensor:  # features: [n, K] float32 -> [n, 1] float64
