@@ -7,6 +7,7 @@ import pytest
 
 from tiny_models import write_tiny_qwen2_gguf
 from verispec.cli import main
+from verispec.models.packed_linear import onednn_packing_available
 from verispec.models.panel_linear import panel_kernels_unavailable_reason
 
 
@@ -296,5 +297,12 @@ def test_target_kernels_auto_says_what_it_picked(tiny_gguf, capsys):
     err = capsys.readouterr().err
     if panel_kernels_unavailable_reason() is None:
         assert "target kernels: panel (timed here" in err or "target kernels: packed (timed here" in err
+    if panel_kernels_unavailable_reason() is None and onednn_packing_available():
+        # greedy with the screened head (the defaults): panel's head share timed as the screen runs
+        assert "LM-head rows (screened on panel)" in err
+        for extra in (["--greedy-lm-head", "full"], ["--temperature", "0.8", "--seed", "1"]):
+            assert main(["generate", "--target", tiny_gguf, "--drafter", "none", "--max-new-tokens", "4", "--raw", *extra, "hello"]) == 0
+            err = capsys.readouterr().err
+            assert "LM-head rows, ms" in err and "screened on panel" not in err, extra
     assert main(["generate", "--target", tiny_gguf, "--drafter", "none", "--max-new-tokens", "4", "--raw", "--target-kernels", "dense", "hello"]) == 0
     assert "target kernels:" not in capsys.readouterr().err  # an explicit choice is not timed

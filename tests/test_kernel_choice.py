@@ -7,9 +7,9 @@ import torch
 from tiny_models import tiny_target
 
 from verispec.models import kernel_choice
-from verispec.models.kernel_choice import TIMED_ROWS, KernelChoice, fastest_target_kernels, sweep_weights, time_sweeps
+from verispec.models.kernel_choice import TIMED_ROWS, KernelChoice, fastest_target_kernels, head_slice, sweep_weights, time_sweeps
 from verispec.models.packed_linear import onednn_packing_available
-from verispec.models.panel_linear import panel_kernels_unavailable_reason
+from verispec.models.panel_linear import PanelLinear, panel_kernels_unavailable_reason
 
 both_kernels = pytest.mark.skipif(
     panel_kernels_unavailable_reason() is not None or not onednn_packing_available(), reason="needs the panel kernels and oneDNN packing"
@@ -66,3 +66,46 @@ def test_one_family_available_is_taken_untimed_and_none_is_refused(monkeypatch):
     monkeypatch.setattr(kernel_choice, "onednn_packing_available", lambda: False)
     with pytest.raises(RuntimeError, match="no C.. compiler"):
         fastest_target_kernels(tiny_target())
+
+
+def test_the_head_slice_keeps_the_heads_share_of_a_pass_and_is_a_view():
+    model = tiny_target()
+    body = sweep_weights(model, min_bytes=1 << 40)
+    whole = head_slice(model, body)
+    assert whole.out_features == model.lm_head.out_features and whole.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    one = body[:1]
+    share = one[0].weight.numel() / sum(layer.weight.numel() for layer in body)
+    part = head_slice(model, one)
+    assert part.out_features == round(model.lm_head.out_features * share) and part.in_features == model.lm_head.in_features
+    assert torch.equal(part.weight, model.lm_head.weight[: part.out_features])
+    assert head_slice(model, []) is None
+    model.lm_head = torch.nn.Identity()  # not a float32 linear: nothing to time
+    assert head_slice(model, body) is None
+
+
+@both_kernels
+def test_a_greedy_run_times_the_panel_head_as_the_int8_screen(monkeypatch):
+    seen = {}
+
+    def fake(kernels, in_features, repeats):
+        seen.update(kernels=kernels, in_features=in_features)
+        return {"panel": {rows: 1.0 for rows in TIMED_ROWS}, "packed": {rows: 2.0 for rows in TIMED_ROWS}}
+
+    monkeypatch.setattr(kernel_choice, "time_sweeps", fake)
+    model = tiny_target()
+    vocab, width = model.lm_head.weight.shape
+    features = torch.randn(3, width)
+    expected = model.lm_head(features)
+    plain = fastest_target_kernels(model)
+    assert not plain.screened_head and plain.head_rows == vocab and "LM-head rows, ms" in plain.summary()
+    assert isinstance(seen["kernels"]["panel"][-1], PanelLinear) and seen["in_features"][-1] == width
+    packed_head = seen["kernels"]["packed"][-1]
+    assert torch.allclose(packed_head(features), expected, atol=1e-5)
+    choice = fastest_target_kernels(model, screened_head=True)
+    assert choice.screened_head and "LM-head rows (screened on panel)" in choice.summary()
+    screen = seen["kernels"]["panel"][-1]
+    assert not isinstance(screen, PanelLinear) and len(seen["kernels"]["panel"]) == len(seen["kernels"]["packed"])
+    # the screen's approximate logits: close to the head's, not computed in float32
+    approx = screen(features)
+    assert approx.shape == expected.shape and not torch.equal(approx, expected)
+    assert (approx - expected).abs().max() < 0.05 * expected.abs().max()

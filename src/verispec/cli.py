@@ -109,7 +109,10 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
     elif kernels != "dense":
         reason = panel_kernels_unavailable_reason()
         if kernels == "auto" and (reason is None or onednn_packing_available()):
-            choice = fastest_target_kernels(target.model)
+            # A greedy run reads the head through the int8 screen on panel kernels: time it so.
+            # (serve has no --temperature: its requests choose, so the full head is timed.)
+            greedy_screen = getattr(args, "greedy_lm_head", "full") == "screened" and getattr(args, "temperature", None) == 0
+            choice = fastest_target_kernels(target.model, screened_head=greedy_screen)
             print(f"verispec: target kernels: {choice.summary()}", file=sys.stderr)
             kernels, used = choice.name, f"auto: {choice.summary()}"
         elif kernels == "panel" and reason is not None:

@@ -88,6 +88,8 @@ _OPTIONS = {
                           lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "path": _Option("draft model: stop a round's drafting once the product of its draft probabilities is below this, in [0, 1); 0 = never", float,
                     lambda v: 0 <= v < 1, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "tune": _Option("prompt lookup: 1 = each session picks the best-scoring of its lookup rules (the default), 0 = the latest-match rule with capped short matches alone",
+                    int, lambda v: v in (0, 1), lambda base: base in ("ngram", "ngram-adaptive"), "ngram, ngram-adaptive"),
     "screen": _Option("greedy target passes: 1 = the LM head's argmax through its exact int8 screen, 0 = every logit in float32 (the run's --greedy-lm-head otherwise)", int,
                       lambda v: v in (0, 1), lambda base: METHODS[base].family == "ours", "our methods"),
 }
@@ -104,6 +106,7 @@ class MethodVariant:
     confidence: float | None = None
     path: float | None = None
     screen: int | None = None
+    tune: int | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -269,7 +272,7 @@ def build_method(
         raise ValueError(f"method {name!r} needs a draft model")
     if spec.family == "hf":
         return _build_hf(name, target, draft)
-    from verispec.drafters import NgramDrafter, lookup_then_model
+    from verispec.drafters import LookupRule, NgramDrafter, lookup_then_model
     from verispec.drafters.draft_model import DraftModelSettings
     from verispec.engine import SpeculativeDecoder
 
@@ -304,7 +307,7 @@ def build_method(
     elif name.startswith("ngram+"):
         drafter = lookup_then_model(settings.build(draft, name=draft.name))
     else:
-        drafter = NgramDrafter()
+        drafter = NgramDrafter(LookupRule()) if variant.tune == 0 else NgramDrafter()
     return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, **adaptive))
 
 

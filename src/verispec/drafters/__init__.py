@@ -3,6 +3,6 @@
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal
 from verispec.drafters.combined import CombinedDrafter, lookup_then_model
 from verispec.drafters.draft_model import DraftModel, DraftModelSettings
-from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.ngram import LookupRule, NgramDrafter
 
-__all__ = ["CombinedDrafter", "DraftContext", "DraftModel", "DraftModelSettings", "NgramDrafter", "DraftSession", "Drafter", "Proposal", "lookup_then_model"]
+__all__ = ["CombinedDrafter", "DraftContext", "DraftModel", "DraftModelSettings", "LookupRule", "NgramDrafter", "DraftSession", "Drafter", "Proposal", "lookup_then_model"]

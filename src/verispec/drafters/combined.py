@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal
-from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.ngram import LookupRule, NgramDrafter
 from verispec.sampling import SamplingParams
 
 
@@ -32,7 +32,7 @@ def lookup_then_model(model_drafter: Drafter) -> "CombinedDrafter":
     weaker match the model drafts better than a short, capped lookup proposal would. The fastest
     drafter measured on HumanEval here (README, Performance).
     """
-    return CombinedDrafter(NgramDrafter(min_ngram=2, match_drafts=()), model_drafter)
+    return CombinedDrafter(NgramDrafter(LookupRule(min_ngram=2, match_drafts=())), model_drafter)
 
 
 class CombinedDrafter:

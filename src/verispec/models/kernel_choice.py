@@ -9,9 +9,16 @@ times both once, when the target is prepared, and keeps the faster.
 
 What is timed: a sweep over several of the model's largest body weights (more bytes than a
 last-level cache holds, so the weights stream from memory as in a real pass), for 1 row (a decoding
-step) and ``gamma+1``-like rows (a verification pass); medians of a few sweeps, the kernels
-interleaved so machine noise hits both alike. A second copy of the swept weights exists only while
-timing (~0.8 GB for the 1.5B target; about two seconds in all).
+step) and ``gamma+1``-like rows (a verification pass), plus a slice of the LM head holding the
+head's share of a pass (the 1.5B target's head is 0.93 GB against 5.2 GB of body); medians of a few
+sweeps, the kernels interleaved so machine noise hits both alike. A second copy of the swept
+weights exists only while timing (~0.9 GB for the 1.5B target; about two seconds in all).
+
+Greedy passes on the panel kernels read the head through its exact int8 screen
+(:mod:`verispec.models.screened_head`, about a quarter of the bytes), which oneDNN-packed weights
+cannot use. With ``screened_head=True`` the panel side's head slice is timed as the screen runs
+(its int8 product and the float32 outlier columns; the few exact survivors are left out), so a
+greedy run is not handed packed kernels that are faster on the body but slower on the whole pass.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from torch import nn
 
 from verispec.models.packed_linear import PackedLinear, float32_linear_sites, onednn_packing_available
 from verispec.models.panel_linear import PanelLinear, panel_kernels_unavailable_reason
+from verispec.models.screened_head import MAX_CACHED_CHANNELS, ScreenedArgmaxHead
 
 TIMED_ROWS = (1, 8)  # a decoding step; a verification pass of gamma+1 = 8 tokens (gamma 6-8 is typical)
 # Larger than the last-level caches seen here (32 MiB on the EPYC, 260 MiB on the Xeon).
@@ -39,14 +47,19 @@ class KernelChoice:
 
     name: str  # "panel" or "packed"
     seconds: dict[str, dict[int, float]] = field(default_factory=dict)
-    num_weights: int = 0
+    num_weights: int = 0  # body weights swept (the head slice not counted)
+    head_rows: int = 0  # rows of the LM head's slice in the sweep (0: none)
+    screened_head: bool = False  # the panel side's head slice timed as the greedy screen runs
 
     def summary(self) -> str:
         if not self.seconds:
             return f"{self.name} (the only kernels that run here)"
         rows = " / ".join(str(count) for count in TIMED_ROWS)
         timings = ", ".join(f"{name} " + " / ".join(f"{1e3 * self.seconds[name][count]:.1f}" for count in TIMED_ROWS) for name in self.seconds)
-        return f"{self.name} (timed here over {self.num_weights} of the model's weights, ms for {rows} rows: {timings})"
+        head = ""
+        if self.head_rows:
+            head = f" and {self.head_rows} LM-head rows" + (" (screened on panel)" if self.screened_head else "")
+        return f"{self.name} (timed here over {self.num_weights} of the model's weights{head}, ms for {rows} rows: {timings})"
 
 
 def sweep_weights(model: nn.Module, min_bytes: int = SWEEP_BYTES) -> list[nn.Linear]:
@@ -63,6 +76,39 @@ def sweep_weights(model: nn.Module, min_bytes: int = SWEEP_BYTES) -> list[nn.Lin
         chosen.append(layer)
         total += layer.weight.numel() * 4
     return chosen
+
+
+def head_slice(model: nn.Module, swept: list[nn.Linear]) -> nn.Linear | None:
+    """The first rows of ``model``'s float32 output layer, as many as give it the same share of the
+    sweep as of a pass: ``vocab x swept body bytes / all body bytes`` (the whole head when the
+    sweep holds the whole body). A view of the weights, no copy. None if the output layer is not a
+    float32 ``nn.Linear`` or nothing was swept."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear or head.weight.dtype != torch.float32 or not swept:
+        return None
+    body_bytes = sum(child.weight.numel() for _, _, child in float32_linear_sites(model) if child is not head)
+    swept_bytes = sum(layer.weight.numel() for layer in swept)
+    rows = max(1, min(head.out_features, round(head.out_features * swept_bytes / body_bytes)))
+    part = nn.Linear(head.in_features, rows, bias=head.bias is not None)
+    part.weight = nn.Parameter(head.weight.detach()[:rows], requires_grad=False)
+    if head.bias is not None:
+        part.bias = nn.Parameter(head.bias.detach()[:rows], requires_grad=False)
+    return part
+
+
+def screened_pass(head: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a greedy pass through the screen costs over ``head``'s rows, bar the exact survivors
+    (a few panels on real text): the int8 product, then the float32 outlier channels' columns."""
+    screen = ScreenedArgmaxHead(PanelLinear(head))
+    channels = min(MAX_CACHED_CHANNELS, head.in_features // 2)  # the screen keeps up to 32 of the 1.5B target's 1,536 channels
+    columns = head.weight.detach()[:, :channels].t().contiguous()  # [channels, rows], as the screen caches them
+
+    def run(features: torch.Tensor) -> torch.Tensor:  # features: [n, K] -> [n, rows] approximate logits
+        main = features.clone()
+        main[:, :channels] = 0.0
+        return screen.int8_logits(main).addmm_(features[:, :channels], columns)
+
+    return run
 
 
 def time_sweeps(kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]], in_features: list[int], repeats: int = 3) -> dict[str, dict[int, float]]:
@@ -84,10 +130,12 @@ def time_sweeps(kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]
     return {name: {rows: statistics.median(ts) for rows, ts in by_rows.items()} for name, by_rows in times.items()}
 
 
-def fastest_target_kernels(model: nn.Module, min_bytes: int = SWEEP_BYTES, repeats: int = 3) -> KernelChoice:
-    """Time the panel kernels against oneDNN-packed weights on ``model``'s own weights and choose the
-    one with the smaller total over ``TIMED_ROWS`` (a step and a verification pass weigh alike).
-    Only one family available here: that one, untimed. Neither: RuntimeError."""
+def fastest_target_kernels(model: nn.Module, min_bytes: int = SWEEP_BYTES, repeats: int = 3, screened_head: bool = False) -> KernelChoice:
+    """Time the panel kernels against oneDNN-packed weights on ``model``'s own weights (and its head's
+    share) and choose the one with the smaller total over ``TIMED_ROWS`` (a step and a verification
+    pass weigh alike). ``screened_head``: the run decodes greedily with the int8-screened head, so
+    time the panel side's head slice as the screen. Only one family available here: that one,
+    untimed. Neither: RuntimeError."""
     candidates = []
     if panel_kernels_unavailable_reason() is None:
         candidates.append("panel")
@@ -98,12 +146,15 @@ def fastest_target_kernels(model: nn.Module, min_bytes: int = SWEEP_BYTES, repea
     weights = sweep_weights(model, min_bytes)
     if len(candidates) == 1 or not weights:
         return KernelChoice(candidates[0])
+    head = head_slice(model, weights)
+    timed = weights + ([head] if head is not None else [])
+    screened = screened_head and head is not None
     with torch.no_grad():
         kernels = {
-            "panel": [PanelLinear(linear) for linear in weights],
-            "packed": [PackedLinear(linear, min_packed_rows=1) for linear in weights],
+            "panel": [PanelLinear(linear) for linear in weights] + ([screened_pass(head) if screened else PanelLinear(head)] if head is not None else []),
+            "packed": [PackedLinear(linear, min_packed_rows=1) for linear in timed],
         }
-    seconds = time_sweeps(kernels, [linear.in_features for linear in weights], repeats)
+    seconds = time_sweeps(kernels, [linear.in_features for linear in timed], repeats)
     del kernels  # the second copies go before the model's real conversion makes its own
     name = min(seconds, key=lambda kernel: sum(seconds[kernel].values()))
-    return KernelChoice(name, seconds, len(weights))
+    return KernelChoice(name, seconds, len(weights), head.out_features if head is not None else 0, screened)

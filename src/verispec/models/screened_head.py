@@ -171,16 +171,22 @@ class ScreenedArgmaxHead:
             outliers = features[:, channels]  # [n, |D|]
             main = features.clone()
             main[:, channels] = 0.0
-        approx = torch.empty(num_rows, self.vocab_size)
-        panel_library().verispec_panel_linear_i8(
-            main.data_ptr(), num_rows, self.in_features, self.int8_panels.data_ptr(), self.vocab_size, self.scale.data_ptr(),
-            None if self.colsum is None else self.colsum.data_ptr(), None if self.bias is None else self.bias.data_ptr(), approx.data_ptr(),
-            torch.get_num_threads(),
-        )
+        approx = self.int8_logits(main)
         if outliers is None:
             return approx, (feature_norm, torch.zeros_like(feature_norm))
         approx.addmm_(outliers, self._channel_columns[: len(channels)])
         return approx, (feature_norm, _activation_error(main))  # >= ||h' - h'q||
+
+    def int8_logits(self, features: torch.Tensor) -> torch.Tensor:  # features: [n, K] contiguous float32 -> [n, vocab]
+        """The int8 head's product alone (8-bit activations throughout, the bias added): the bulk of a
+        screened pass's cost, which ``--target-kernels auto`` times (:mod:`verispec.models.kernel_choice`)."""
+        approx = torch.empty(features.shape[0], self.vocab_size)
+        panel_library().verispec_panel_linear_i8(
+            features.data_ptr(), features.shape[0], self.in_features, self.int8_panels.data_ptr(), self.vocab_size, self.scale.data_ptr(),
+            None if self.colsum is None else self.colsum.data_ptr(), None if self.bias is None else self.bias.data_ptr(), approx.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return approx
 
     def _outlier_channels(self, features: torch.Tensor) -> list[int]:
         """The channels kept out of the 8-bit activations: every channel that has held one of a row's
