@@ -9,7 +9,8 @@ from verispec.bench.methods import parse_variant
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.lean_lm import target_lm
 from verispec.models import quantize_int8
-from verispec.models.panel_linear import PanelLinear, panel_kernels_unavailable_reason, use_panel_kernels
+from verispec.models import screened_head
+from verispec.models.panel_linear import PanelLinear, int8_uses_vnni, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.models.screened_head import ScreenedArgmaxHead
 from verispec.serving.batch_cache import BatchedTarget
 
@@ -177,3 +178,20 @@ def test_bench_methods_take_a_screen_setting():
         parse_variant("plain:screen=2")
     with pytest.raises(ValueError, match="screen applies to our methods only"):
         parse_variant("hf-plain:screen=1")
+
+
+@pytest.mark.skipif(not int8_uses_vnni(), reason="8-bit activations only on the VNNI path")
+def test_the_bound_needs_its_8bit_activation_term(monkeypatch):
+    # Weights exactly on their int8 grid (every row's scale is 2^-10): the weight-rounding term is
+    # ~0, so what separates the float32 logits from the approximation is the 8-bit rounding of the
+    # activations. The bound holds with its activation term and fails without it.
+    generator = torch.Generator().manual_seed(0)
+    integers = torch.randint(-127, 128, (4096, 192), generator=generator).float()
+    integers[:, 0] = 127
+    head = PanelLinear(_linear_of(integers * 2.0**-10))
+    screen = ScreenedArgmaxHead(head)
+    features = torch.randn(8, 192, generator=generator)
+    error = (head(features).double() - screen.logit_bounds(features)[0].double()).abs()
+    assert bool((error <= screen.logit_bounds(features)[1]).all())
+    monkeypatch.setattr(screened_head, "_activation_error", lambda main: torch.zeros(main.shape[0], 1, dtype=torch.float64))
+    assert not bool((error <= screen.logit_bounds(features)[1]).all())
