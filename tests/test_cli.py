@@ -176,7 +176,7 @@ def test_costs_prints_a_table_per_kernel_setting(tiny_gguf, capsys):
     out = capsys.readouterr().out
     settings = ["target dense", "draft float32", "draft float32, lean", "draft int8", "draft int8, lean, torch kernels"]
     if panel_kernels_unavailable_reason() is None:
-        settings += ["target panel", "draft int8, lean, panel (default)"]
+        settings += ["target panel", "draft int8, lean, panel (default)", "target panel, greedy, screened head (code text)"]
     for setting in settings:
         assert setting in out
     assert out.count("(auto's choice here)") == 1  # --target-kernels auto's pick, timed on this model

@@ -195,3 +195,19 @@ def test_the_bound_needs_its_8bit_activation_term(monkeypatch):
     assert bool((error <= screen.logit_bounds(features)[1]).all())
     monkeypatch.setattr(screened_head, "_activation_error", lambda main: torch.zeros(main.shape[0], 1, dtype=torch.float64))
     assert not bool((error <= screen.logit_bounds(features)[1]).all())
+
+
+def test_costs_time_greedy_passes_through_the_screen_on_real_text(monkeypatch):
+    from verispec.bench.costs import forward_costs
+
+    target = use_panel_kernels(tiny_target())
+    calls = []
+    original = ScreenedArgmaxHead.__call__
+    monkeypatch.setattr(ScreenedArgmaxHead, "__call__", lambda self, features: calls.append(features.shape[0]) or original(self, features))
+    text = [(5 * i + 3) % 50 for i in range(40)]
+    forward_costs(target, 16, [1, 4], repeats=2, text_ids=text)
+    assert calls == []  # the full head: every logit
+    costs = forward_costs(target, 16, [1, 4], repeats=2, text_ids=text, argmax_only=True)
+    assert [c.new_tokens for c in costs] == [1, 4] and calls == [1] + [1, 1] + [4, 4]  # warm-up, then each pass
+    with pytest.raises(ValueError, match="text_ids holds 19 tokens"):
+        forward_costs(target, 16, [1, 4], text_ids=text[:19])

@@ -513,7 +513,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _costs(args: argparse.Namespace) -> int:
     import torch
 
-    from verispec.bench.costs import format_costs, forward_costs
+    from verispec.bench.costs import format_costs, forward_costs, stdlib_text_ids
     from verispec.models import load_model, quantize_int8
     from verispec.models.gqa_attention import use_gqa_attention
     from verispec.models.kernel_choice import fastest_target_kernels
@@ -552,6 +552,11 @@ def _costs(args: argparse.Namespace) -> int:
         if target_runs_lean(panel):  # what the engine runs: one kernel call per pass; and the same kernels under transformers' forward
             rows["target panel, transformers forward"] = forward_costs(panel, args.context, counts, args.repeats, transformers_forward=True)
         rows["target panel" + mark.get("panel", "")] = forward_costs(panel, args.context, counts, args.repeats)
+        if target.tokenizer is not None:
+            # what greedy decoding pays: the LM head through its int8 screen, on real code (the screen's cost depends on the text)
+            text_ids = stdlib_text_ids(target.tokenizer, args.context + max(counts))
+            if max(text_ids) < target.model.get_output_embeddings().out_features:
+                rows["target panel, greedy, screened head (code text)"] = forward_costs(panel, args.context, counts, args.repeats, text_ids=text_ids, argmax_only=True)
     if head_path is not None:
         from verispec.bench.costs import eagle_costs
         from verispec.drafters.eagle import EagleDrafter

@@ -31,6 +31,8 @@ def forward_costs(  # noqa: ANN201 - list[ForwardCost]
     lean: bool = False,
     panel_kernels: bool = False,
     transformers_forward: bool = False,
+    text_ids: list[int] | None = None,
+    argmax_only: bool = False,
 ) -> list[ForwardCost]:
     """Median seconds of one pass over ``n`` new tokens after a ``context_tokens`` cache, per n.
 
@@ -41,9 +43,15 @@ def forward_costs(  # noqa: ANN201 - list[ForwardCost]
     (what draft models run by default). Otherwise the model runs as the engine runs a target
     (:func:`~verispec.engine.lean_lm.target_lm`: lean if it was switched to the panel kernels), or
     with ``transformers_forward`` always through the model's own forward.
+
+    ``text_ids``: real text for the cache and the new tokens (its first ``context_tokens`` ids, then
+    the ids that follow), instead of arbitrary fixed ids. The cost of a greedy pass through the
+    screened LM head (``argmax_only``) depends on how sure the model is, so it needs real text.
     """
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
         raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
+    if text_ids is not None and len(text_ids) < context_tokens + max(new_token_counts):
+        raise ValueError(f"text_ids holds {len(text_ids)} tokens; context_tokens + the largest count need {context_tokens + max(new_token_counts)}")
     if panel_kernels:
         lm_head = panel_or_same(lm_head if lm_head is not None else model.get_output_embeddings())
     if lean:
@@ -51,21 +59,37 @@ def forward_costs(  # noqa: ANN201 - list[ForwardCost]
     else:
         lm = target_lm(model) if lm_head is None and not transformers_forward else CachedLM(model, lm_head=lm_head)
     vocab = lm.vocab_size
-    # Arbitrary but fixed token ids: cost does not depend on which tokens they are.
-    lm.extend([(7 * i + 11) % vocab for i in range(context_tokens)], num_logits=0)
-    lm.extend([1], num_logits=1)  # warm-up pass (allocations, kernel selection)
+    # Arbitrary but fixed token ids: the full head's cost does not depend on which tokens they are.
+    context = text_ids[:context_tokens] if text_ids is not None else [(7 * i + 11) % vocab for i in range(context_tokens)]
+    lm.extend(context, num_logits=0)
+    lm.extend(text_ids[context_tokens : context_tokens + 1] if text_ids is not None else [1], num_logits=1, argmax_only=argmax_only)  # warm-up
     lm.crop(context_tokens)
     costs = []
     for count in new_token_counts:
+        fed = text_ids[context_tokens : context_tokens + count] if text_ids is not None else [(13 * i + 5) % vocab for i in range(count)]
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            lm.extend([(13 * i + 5) % vocab for i in range(count)], num_logits=count)
+            lm.extend(fed, num_logits=count, argmax_only=argmax_only)
             times.append(time.perf_counter() - started)
             lm.crop(context_tokens)
         costs.append(ForwardCost(count, statistics.median(times)))
     lm.release()
     return costs
+
+
+def stdlib_text_ids(tokenizer, count: int) -> list[int]:  # noqa: ANN001 - a Hugging Face tokenizer
+    """At least ``count`` token ids of real code: Python standard-library sources, a fixed order
+    (present on every machine). ValueError if they do not hold that many."""
+    import inspect
+    import importlib
+
+    ids: list[int] = []
+    for name in ("argparse", "json.decoder", "textwrap", "dataclasses", "typing"):
+        ids += tokenizer(inspect.getsource(importlib.import_module(name)), add_special_tokens=False)["input_ids"]
+        if len(ids) >= count:
+            return ids
+    raise ValueError(f"the standard-library texts hold {len(ids)} tokens, fewer than the {count} needed (--context too large)")
 
 
 def format_costs(rows: dict[str, list[ForwardCost]]) -> str:
