@@ -102,6 +102,7 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
 
     kernels = args.target_kernels
     used = kernels
+    screened_head = getattr(args, "greedy_lm_head", "screened") == "screened"
     if kernels != "dense":
         use_gqa_attention(target.model)
     if kernels != "dense" and target.model.dtype != torch.float32:
@@ -111,8 +112,7 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
         if kernels == "auto" and (reason is None or onednn_packing_available()):
             # A greedy run reads the head through the int8 screen on panel kernels: time it so.
             # (serve has no --temperature: its requests choose, so the full head is timed.)
-            greedy_screen = getattr(args, "greedy_lm_head", "full") == "screened" and getattr(args, "temperature", None) == 0
-            choice = fastest_target_kernels(target.model, screened_head=greedy_screen)
+            choice = fastest_target_kernels(target.model, screened_head=screened_head and getattr(args, "temperature", None) == 0)
             print(f"verispec: target kernels: {choice.summary()}", file=sys.stderr)
             kernels, used = choice.name, f"auto: {choice.summary()}"
         elif kernels == "panel" and reason is not None:
@@ -120,7 +120,7 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
             kernels, used = "packed", f"packed (panel cannot run here: {reason})"
         if kernels == "panel":
             use_panel_kernels(target.model)
-            if getattr(args, "greedy_lm_head", "screened") == "screened":  # build its int8 copy now, not in the first request
+            if screened_head:  # build its int8 copy now, not in the first request
                 ScreenedArgmaxHead.for_head(target.model.get_output_embeddings())
         elif kernels == "packed" and onednn_packing_available():
             pack_linears(target.model)

@@ -81,12 +81,13 @@ def forward_costs(  # noqa: ANN201 - list[ForwardCost]
 def stdlib_text_ids(tokenizer, count: int) -> list[int]:  # noqa: ANN001 - a Hugging Face tokenizer
     """At least ``count`` token ids of real code: Python standard-library sources, a fixed order
     (present on every machine). ValueError if they do not hold that many."""
-    import inspect
-    import importlib
+    import sysconfig
+    from pathlib import Path
 
+    root = Path(sysconfig.get_paths()["stdlib"])  # where the EAGLE corpus and long-context prompts read it too
     ids: list[int] = []
-    for name in ("argparse", "json.decoder", "textwrap", "dataclasses", "typing"):
-        ids += tokenizer(inspect.getsource(importlib.import_module(name)), add_special_tokens=False)["input_ids"]
+    for name in ("argparse.py", "json/decoder.py", "textwrap.py", "dataclasses.py", "typing.py"):
+        ids += tokenizer((root / name).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         if len(ids) >= count:
             return ids
     raise ValueError(f"the standard-library texts hold {len(ids)} tokens, fewer than the {count} needed (--context too large)")

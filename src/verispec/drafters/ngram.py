@@ -108,7 +108,8 @@ class NgramSession:
         self.row_cost = row_cost
         self.ngram_sizes = range(max(rule.max_ngram for rule in rules), min(rule.min_ngram for rule in rules) - 1, -1)
         self.latest_continuation: dict[tuple[int, ...], int] = {}
-        self.first_continuation: dict[tuple[int, ...], int] = {}
+        self.first_continuation: dict[tuple[int, ...], int] = {}  # kept only if a rule reads it
+        self._track_first = any(rule.earliest for rule in rules)
         self.indexed_until = 0  # continuations starting before this position are indexed
         self.scores = [0.0] * len(rules)
         self.pending: list[tuple[int, int, list[int]]] = []  # (rule index, position its drafts start at, drafts)
@@ -131,7 +132,8 @@ class NgramSession:
                 if end >= size:
                     ngram = tuple(tokens[end - size : end])
                     self.latest_continuation[ngram] = end
-                    self.first_continuation.setdefault(ngram, end)
+                    if self._track_first:
+                        self.first_continuation.setdefault(ngram, end)
         self.indexed_until = max(self.indexed_until, len(tokens))
 
     def _lookup(self, rule: LookupRule, tokens: list[int], max_tokens: int) -> list[int]:

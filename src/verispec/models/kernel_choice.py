@@ -33,7 +33,7 @@ from torch import nn
 
 from verispec.models.packed_linear import PackedLinear, float32_linear_sites, onednn_packing_available
 from verispec.models.panel_linear import PanelLinear, panel_kernels_unavailable_reason
-from verispec.models.screened_head import MAX_CACHED_CHANNELS, ScreenedArgmaxHead
+from verispec.models.screened_head import ScreenedArgmaxHead
 
 TIMED_ROWS = (1, 8)  # a decoding step; a verification pass of gamma+1 = 8 tokens (gamma 6-8 is typical)
 # Larger than the last-level caches seen here (32 MiB on the EPYC, 260 MiB on the Xeon).
@@ -98,17 +98,10 @@ def head_slice(model: nn.Module, swept: list[nn.Linear]) -> nn.Linear | None:
 
 def screened_pass(head: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     """What a greedy pass through the screen costs over ``head``'s rows, bar the exact survivors
-    (a few panels on real text): the int8 product, then the float32 outlier channels' columns."""
+    (a few panels on real text): the screen's own approximation (int8 product, float32 outlier
+    channels, bound coefficients) over a throwaway screen of these rows."""
     screen = ScreenedArgmaxHead(PanelLinear(head))
-    channels = min(MAX_CACHED_CHANNELS, head.in_features // 2)  # the screen keeps up to 32 of the 1.5B target's 1,536 channels
-    columns = head.weight.detach()[:, :channels].t().contiguous()  # [channels, rows], as the screen caches them
-
-    def run(features: torch.Tensor) -> torch.Tensor:  # features: [n, K] -> [n, rows] approximate logits
-        main = features.clone()
-        main[:, :channels] = 0.0
-        return screen.int8_logits(main).addmm_(features[:, :channels], columns)
-
-    return run
+    return lambda features: screen.approximate(features)[0]  # features: [n, K] -> [n, rows] approximate logits
 
 
 def time_sweeps(kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]], in_features: list[int], repeats: int = 3) -> dict[str, dict[int, float]]:

@@ -119,7 +119,7 @@ class ScreenedArgmaxHead:
         if not self.covers(num_rows) or features.dtype != torch.float32 or not bool(torch.isfinite(features).all()):
             return self.head(features)
         features = features.contiguous()
-        approx, bound_coeffs = self._approximate(features)
+        approx, bound_coeffs = self.approximate(features)
         feature_norm, activation_error = bound_coeffs
         # LB from each row's top approximate logit; then a cheap cut with the row's largest bound
         # (a superset of the survivors), and the exact bounds on what passes it.
@@ -158,11 +158,12 @@ class ScreenedArgmaxHead:
         """The screen's approximate logits ``A`` # [n, vocab] float32 and their bounds ``B`` # [n, vocab]
         float64, with ``|l - A| <= B`` for the logits ``l`` the float32 head computes (for inspection and tests)."""
         features = features.float().contiguous()
-        approx, bound_coeffs = self._approximate(features)
+        approx, bound_coeffs = self.approximate(features)
         return approx, self._bound(approx, torch.arange(self.vocab_size).expand_as(approx), *bound_coeffs)
 
-    def _approximate(self, features: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The int8 logits A # [n, vocab] of features # [n, K] (contiguous float32) and the rows' bound coefficients."""
+    def approximate(self, features: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The int8 logits A # [n, vocab] of features # [n, K] (contiguous float32) and the rows' bound
+        coefficients: the first, costly part of a screened pass (``--target-kernels auto`` times it)."""
         num_rows = features.shape[0]
         feature_norm = _round_up(features.double().norm(dim=1, keepdim=True))  # [n, 1] ||h||
         main, outliers = features, None
@@ -171,22 +172,16 @@ class ScreenedArgmaxHead:
             outliers = features[:, channels]  # [n, |D|]
             main = features.clone()
             main[:, channels] = 0.0
-        approx = self.int8_logits(main)
+        approx = torch.empty(num_rows, self.vocab_size)
+        panel_library().verispec_panel_linear_i8(
+            main.data_ptr(), num_rows, self.in_features, self.int8_panels.data_ptr(), self.vocab_size, self.scale.data_ptr(),
+            None if self.colsum is None else self.colsum.data_ptr(), None if self.bias is None else self.bias.data_ptr(), approx.data_ptr(),
+            torch.get_num_threads(),
+        )
         if outliers is None:
             return approx, (feature_norm, torch.zeros_like(feature_norm))
         approx.addmm_(outliers, self._channel_columns[: len(channels)])
         return approx, (feature_norm, _activation_error(main))  # >= ||h' - h'q||
-
-    def int8_logits(self, features: torch.Tensor) -> torch.Tensor:  # features: [n, K] contiguous float32 -> [n, vocab]
-        """The int8 head's product alone (8-bit activations throughout, the bias added): the bulk of a
-        screened pass's cost, which ``--target-kernels auto`` times (:mod:`verispec.models.kernel_choice`)."""
-        approx = torch.empty(features.shape[0], self.vocab_size)
-        panel_library().verispec_panel_linear_i8(
-            features.data_ptr(), features.shape[0], self.in_features, self.int8_panels.data_ptr(), self.vocab_size, self.scale.data_ptr(),
-            None if self.colsum is None else self.colsum.data_ptr(), None if self.bias is None else self.bias.data_ptr(), approx.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return approx
 
     def _outlier_channels(self, features: torch.Tensor) -> list[int]:
         """The channels kept out of the 8-bit activations: every channel that has held one of a row's
