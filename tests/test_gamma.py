@@ -197,3 +197,23 @@ def test_one_timing_spike_does_not_keep_a_collapsed_text_drafting(spiked_pass):
     assert chosen[0] == 0  # the first round measures plain decoding's cost
     calm = _simulate(AdaptiveGamma(max_gamma=4), 48, 0.0, lambda rows: 0.3, 0.05, random.Random(4))
     assert sum(1 for gamma in chosen if gamma) <= sum(1 for gamma in calm if gamma) + 2, (chosen, calm)
+
+
+def test_one_slow_pass_does_not_price_longer_rounds_off_for_good():
+    """A spike on the first pass over some row count (a warm-up page fault) must not stop the
+    controller from ever drafting past it: never chosen again, that count would never be re-measured."""
+    costs = StepCosts(draft_step_s=0.02, verify_s={1: 0.15, 2: 0.16})
+    costs.observe(3, 3.0, 0.04, 2)  # 20x the real cost of 3 rows
+    assert costs.verify_cost(3) == pytest.approx(2 * 0.16)  # no dearer than two passes of 2 rows
+    assert costs.verify_cost(5) == pytest.approx(3 * 0.16)  # (unmeasured: borrows 3 rows' cost, within the bound)
+    costs.observe(3, 0.17, 0.04, 2)  # the next real measurement counts at once
+    assert costs.verify_cost(3) == pytest.approx(0.32 + 0.15 * (0.17 - 0.32))
+    controller = AdaptiveGamma(max_gamma=8, costs=StepCosts(verify_s={1: 0.15, 2: 0.16, 3: 3.0}))
+    flat = lambda rows: 0.15 + 0.005 * rows  # noqa: E731 - the real costs: nearly flat
+    chosen = _simulate(controller, 100, 0.9, flat, 0.02, random.Random(9))
+    assert max(chosen[:30]) == 1  # the spike holds it back while it is fresh ...
+    assert statistics.median(chosen[-60:]) >= 5, chosen  # ... then long rounds, as without the spike
+    costs = StepCosts(verify_s={1: 0.15})
+    for round_number in range(40):  # a count that is truly dear stays dear: re-tried, re-measured
+        costs.observe(2 if round_number % 10 else 4, 0.16 if round_number % 10 else 0.3, 0.0, 0)
+    assert costs.verify_cost(4) > 0.25 and costs.verify_cost(3) == pytest.approx(0.16)  # (drifting down since its last pass)

@@ -246,6 +246,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
     serve.add_argument("--gamma-full-batch", type=int, default=1, help="batches up to this size draft the full --gamma (default 1: measured on 2 CPU cores, speculation pays for a lone request only)")
     serve.add_argument("--gamma-off-batch", type=int, default=2, help="batches of this size or more decode plainly, gamma 0 (default 2); gamma tapers in between")
+    serve.add_argument("--batching", choices=["lean", "masked"], default="lean", help="lean (default): where the target runs the lean forward (panel kernels), each request keeps its own KV cache and a pass is one fused kernel call over every request's rows, a lone request exactly as `verispec generate` runs it; masked: transformers' forward over one shared, padded KV cache with an attention mask (what other targets always use)")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
     serve.add_argument("--speedup-floor", type=positive_float, default=MonitorConfig.speedup_floor, metavar="F", help=f"log one structured warning (event speculation_below_floor; metric verispec_speculation_below_floor_total) when a request, an API key or the whole server realises less than F x plain decoding's speed over its last --monitor-window rounds, and again only after it recovered (default {MonitorConfig.speedup_floor})")
     serve.add_argument("--monitor-window", type=positive_int, default=MonitorConfig.window, metavar="N", help=f"rounds the acceptance monitor keeps per scope for /metrics' rolling gauges and the floor check; a verdict needs min(16, N) of them (default {MonitorConfig.window})")
@@ -441,7 +442,7 @@ def serve_config(args: argparse.Namespace):  # noqa: ANN201 - a ServeConfig (ver
     monitor = MonitorConfig(window=args.monitor_window, min_rounds=min(MonitorConfig.min_rounds, args.monitor_window), speedup_floor=args.speedup_floor)
     scheduler = SchedulerConfig(
         gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy, adaptive_gamma=args.gamma_control == "adaptive", monitor=monitor,
-        screen_lm_head=args.greedy_lm_head == "screened",
+        screen_lm_head=args.greedy_lm_head == "screened", lean_batching=args.batching == "lean",
     )
     return ServeConfig(model_id=args.model_id or args.target, api_key=args.api_key, default_max_tokens=args.default_max_tokens, scheduler=scheduler)
 

@@ -39,13 +39,23 @@ class StepCosts:
     draft_step_s: float | None = None  # seconds per drafted token (the line's slope)
     draft_base_s: float = 0.0  # seconds per drafting round whatever its length (the intercept)
     verify_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds
+    # A row count not passed for this many rounds counts as unmeasured again (see verify_cost).
+    stale_rounds: int = 32
     # Moving means of (drafts, seconds, drafts^2, drafts * seconds) over timed drafting rounds.
     _draft_moments: list[float] | None = field(default=None, init=False, repr=False)
+    _rounds: int = field(default=0, init=False, repr=False)
+    _last_seen: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # rows -> round of its last pass
 
     def observe(self, rows: int, verify_s: float, draft_s: float, drafted: int) -> None:
         """One round: a target pass over ``rows`` tokens; ``drafted`` tokens drafted in ``draft_s``
         (``drafted`` 0: no drafting time to learn from, e.g. a round that also paid the drafter's prefill)."""
-        self.verify_s[rows] = _mix(self.verify_s.get(rows), verify_s, self.smoothing)
+        self._rounds += 1
+        # The staler the stored figure, the more this pass counts: a count forgotten for stale_rounds
+        # (or new) takes this pass's time outright. A stored spike is cut to the split bound first.
+        staleness = min(1.0, self._age(rows) / self.stale_rounds)
+        previous = min(self.verify_s.get(rows, verify_s), self._split_bound(rows))
+        self.verify_s[rows] = _mix(previous, verify_s, max(self.smoothing, staleness))
+        self._last_seen[rows] = self._rounds
         if drafted > 0:
             self._fit_draft(drafted, draft_s)
 
@@ -75,18 +85,40 @@ class StepCosts:
     def verify_cost(self, rows: int) -> float:
         """Measured cost of ``rows``; unmeasured counts borrow the nearest smaller measured one.
 
-        Borrowing from below is optimistic, so every affordable row count gets tried once. A pass
-        over more rows is never cheaper, so no count costs more than any larger measured one: a
-        spike in one count's time cannot make it (plain decoding's 1 row above all) look dearer
-        than its neighbours for long.
+        Borrowing from below is optimistic, so every affordable row count gets tried. One spike in
+        a count's time (a page fault in a warm-up pass, another process) must not price that count
+        off for good: a count never chosen again is never re-measured (seen on a 2-core EPYC: one
+        slow first pass over 3 rows, and a whole 8-prompt benchmark drafted one token a round).
+        Hence three guards. A pass over more rows is never cheaper, so no count costs more than
+        any larger measured one (plain decoding's 1 row above all). r rows could run as
+        ceil(r / r') passes of r' rows, so no count costs more than that (:meth:`_split_bound`).
+        And a count not passed for a while slides back to the optimistic guess, reaching it after
+        ``stale_rounds`` rounds: it gets tried again, and that pass replaces the old figure.
         """
-        cost = min(self.verify_s.values(), default=1.0)
-        for candidate in range(rows, 0, -1):
-            if candidate in self.verify_s:
-                cost = self.verify_s[candidate]
-                break
-        larger = [seconds for count, seconds in self.verify_s.items() if count > rows]
-        return min(cost, *larger) if larger else cost
+        measured = [count for count in self.verify_s if count <= rows]
+        cost = self._current(max(measured)) if measured else min(self.verify_s.values(), default=1.0)
+        larger = [self._current(count) for count in self.verify_s if count > rows]
+        return min(cost, self._split_bound(rows), *larger)
+
+    def _age(self, rows: int) -> float:
+        """Rounds since the last pass over ``rows`` (infinite if none)."""
+        if rows not in self.verify_s:
+            return float("inf")
+        return self._rounds - self._last_seen.get(rows, 0)  # (a count given to the constructor: seen at round 0)
+
+    def _current(self, rows: int) -> float:
+        """A measured count's cost, slid toward the next smaller measured count's as it goes stale."""
+        smaller = [count for count in self.verify_s if count < rows]
+        if not smaller:
+            return self.verify_s[rows]
+        optimistic = min(self.verify_s[max(smaller)], self.verify_s[rows])
+        staleness = min(1.0, self._age(rows) / self.stale_rounds)
+        return self.verify_s[rows] + staleness * (optimistic - self.verify_s[rows])
+
+    def _split_bound(self, rows: int) -> float:
+        """The cheapest way to score ``rows`` in several passes of a smaller measured row count."""
+        splits = [-(-rows // count) * seconds for count, seconds in self.verify_s.items() if count < rows]  # ceil(rows / count) passes
+        return min(splits, default=float("inf"))
 
 
 @dataclass

@@ -183,7 +183,7 @@ class LeanDecoder:
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = rotary_cos_sin(torch.arange(start, start + num_new, dtype=torch.float32), self.inv_freq)  # [n, head_dim]
         if self.fused is not None and num_new <= self.fused.max_rows:
-            return self.fused(self.embed(input_ids), caches, cos, sin)
+            return self.fused(self.embed(input_ids), [caches], [num_new], cos, sin)
         mask = causal_mask_after(start, num_new)
         shape = (self.hidden_size,)
         hidden = self.embed(input_ids)  # [n, hidden]
@@ -242,23 +242,30 @@ class _FusedStack:
 
     def __call__(
         self,
-        hidden: torch.Tensor,  # [n, hidden] token embeddings (overwritten: the residual stream)
-        caches: list[LayerKVCache],
-        cos: torch.Tensor,  # [n, head_dim]
+        hidden: torch.Tensor,  # [n, hidden] token embeddings, sequence by sequence (overwritten: the residual stream)
+        sequences: list[list[LayerKVCache]],  # each sequence's per-layer caches
+        rows: list[int],  # new tokens per sequence (summing to n)
+        cos: torch.Tensor,  # [n, head_dim] each row's rotary angles
         sin: torch.Tensor,  # [n, head_dim]
     ) -> torch.Tensor:  # [n, hidden] top-layer features
-        decoder, num_new, start = self.decoder, hidden.shape[0], caches[0].length
-        buffers, capacities = [], []
-        for cache in caches:  # the kernel writes the new keys/values in place: claim the positions first
-            cache.claim(num_new, decoder.num_kv_heads, decoder.head_dim)
-            buffers += [cache.keys, cache.values]
-            capacities.append(cache.keys.shape[1])
+        """One pass extending several sequences: the products run over all their rows at once, each
+        row's attention reads its own sequence's cache (batched serving; one sequence: a decoding step)."""
+        decoder = self.decoder
+        starts = [caches[0].length for caches in sequences]
+        for caches, count in zip(sequences, rows):  # the kernel writes the new keys/values in place: claim the positions first
+            for cache in caches:
+                cache.claim(count, decoder.num_kv_heads, decoder.head_dim)
+        # Layer-major, as the kernel reads them: [layers][sequences] capacities, [layers][sequences][keys, values] buffers.
+        layer_caches = [caches[layer] for layer in range(len(decoder.layers)) for caches in sequences]
+        capacities = [cache.keys.shape[1] for cache in layer_caches]
+        buffers = [buffer.data_ptr() for cache in layer_caches for buffer in (cache.keys, cache.values)]
         hidden = hidden.contiguous()
         cos, sin, out = cos.contiguous(), sin.contiguous(), torch.empty_like(hidden)
+        int64s = lambda values: (ctypes.c_int64 * len(values))(*values)  # noqa: E731
         panel_library().verispec_lean_stack(
-            self.dims, (ctypes.c_int64 * len(capacities))(*capacities), decoder.eps, int(self.is_int8), num_new, start, hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            self.weights, self.scales, self.colsums, self.biases, self.norms, self.final_norm.data_ptr(),
-            (ctypes.c_void_p * len(buffers))(*[buffer.data_ptr() for buffer in buffers]), out.data_ptr(), torch.get_num_threads(),
+            self.dims, decoder.eps, int(self.is_int8), len(sequences), int64s(rows), int64s(starts), int64s(capacities),
+            (ctypes.c_void_p * len(buffers))(*buffers), hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            self.weights, self.scales, self.colsums, self.biases, self.norms, self.final_norm.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )
         return out
 

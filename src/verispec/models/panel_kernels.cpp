@@ -391,8 +391,20 @@ static void panel_linear(const float* x, int64_t M, const Weight& w, float* y, i
 // run without a stacked copy.
 struct LeanStackDims {
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, qkv_parts, gate_up_parts;
-  const int64_t* capacities;  // per layer: positions each KV buffer holds
   float eps;
+};
+
+// The sequences a pass extends: its n rows are, in order, rows[0] new tokens of sequence 0, rows[1]
+// of sequence 1, ... Sequence s holds starts[s] cached positions; its KV buffers for layer l are
+// caches[2 (l count + s)] (keys) and caches[2 (l count + s) + 1] (values) [kv_heads, capacity, head_dim]
+// with capacity = capacities[l count + s]. The products run over all n rows at once (each row computed
+// as it is alone); attention reads each row's own sequence only.
+struct Segments {
+  int64_t count;
+  const int64_t* rows;
+  const int64_t* starts;
+  const int64_t* capacities;
+  float* const* caches;
 };
 
 // Products whose outputs sit side by side in y [M, sum of the parts' N]; x is quantised once (VNNI).
@@ -439,11 +451,18 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 template <bool INT8>
-static void lean_stack(const LeanStackDims& d, int64_t n, int64_t start, float* x, const float* cos, const float* sin,
-                       const Weight* weights, const float* const* norms, const float* final_norm, float* const* caches,
-                       float* out, int num_threads) {
+static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, float* x, const float* cos, const float* sin,
+                       const Weight* weights, const float* const* norms, const float* final_norm, float* out, int num_threads) {
   const int64_t H = d.heads, KV = d.kv_heads, D = d.head_dim, I = d.intermediate, h = d.hidden;
-  const int64_t qkv_width = (H + 2 * KV) * D, group = H / KV, end = start + n;
+  const int64_t qkv_width = (H + 2 * KV) * D, group = H / KV;
+  // Per row: its sequence and its position in that sequence (what it sees: positions 0..position).
+  int64_t* row_seq = (int64_t*)malloc(sizeof(int64_t) * 2 * n);
+  int64_t* row_pos = row_seq + n;
+  int64_t end = 0;  // the longest sequence after the pass: the width of a row's scores
+  for (int64_t s = 0, i = 0; s < seq.count; ++s) {
+    for (int64_t j = 0; j < seq.rows[s]; ++j, ++i) row_seq[i] = s, row_pos[i] = seq.starts[s] + j;
+    end = seq.starts[s] + seq.rows[s] > end ? seq.starts[s] + seq.rows[s] : end;
+  }
   float* buffer = (float*)malloc(sizeof(float) * (n * (h + qkv_width + H * D + 3 * I) + n * H * end));
   float* normed = buffer;                  // [n, h]
   float* qkv = normed + n * h;             // [n, (H + 2 KV) D]
@@ -463,24 +482,30 @@ static void lean_stack(const LeanStackDims& d, int64_t n, int64_t start, float* 
     const Weight& o_w = qkv_w[d.qkv_parts];
     const Weight* gate_up_w = qkv_w + d.qkv_parts + 1;
     const Weight& down_w = gate_up_w[d.gate_up_parts];
-    float* keys = caches[2 * l];
-    float* values = caches[2 * l + 1];  // [KV, capacity, D]
-    const int64_t capacity = d.capacities[l];
+    // Sequence s's keys / values of this layer [KV, capacity, D] and their capacity.
+    float* const* layer_caches = seq.caches + 2 * l * seq.count;
+    const int64_t* layer_capacities = seq.capacities + l * seq.count;
 #pragma omp single
     rms_norm_rows(x, n, h, norms[2 * l], d.eps, normed);
     grouped_linear_for<INT8>(normed, n, qkv_w, d.qkv_parts, qkv, q);
 #pragma omp single
     for (int64_t i = 0; i < n; ++i) {
       float* row = qkv + i * qkv_width;
+      float* keys = layer_caches[2 * row_seq[i]];
+      float* values = layer_caches[2 * row_seq[i] + 1];
+      const int64_t capacity = layer_capacities[row_seq[i]];
       for (int64_t head = 0; head < H + KV; ++head) rotate(row + head * D, D, cos + i * D, sin + i * D);
       for (int64_t g = 0; g < KV; ++g) {
-        memcpy(keys + (g * capacity + start + i) * D, row + (H + g) * D, sizeof(float) * D);
-        memcpy(values + (g * capacity + start + i) * D, row + (H + KV + g) * D, sizeof(float) * D);
+        memcpy(keys + (g * capacity + row_pos[i]) * D, row + (H + g) * D, sizeof(float) * D);
+        memcpy(values + (g * capacity + row_pos[i]) * D, row + (H + KV + g) * D, sizeof(float) * D);
       }
     }
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < n * H; ++task) {
-      const int64_t i = task / H, head = task % H, g = head / group, visible = start + i + 1;
+      const int64_t i = task / H, head = task % H, g = head / group, visible = row_pos[i] + 1;
+      const float* keys = layer_caches[2 * row_seq[i]];
+      const float* values = layer_caches[2 * row_seq[i] + 1];
+      const int64_t capacity = layer_capacities[row_seq[i]];
       const float* query = qkv + i * qkv_width + head * D;
       const float* key_rows = keys + g * capacity * D;
       const float* value_rows = values + g * capacity * D;
@@ -522,6 +547,7 @@ static void lean_stack(const LeanStackDims& d, int64_t n, int64_t start, float* 
   }
   rms_norm_rows(x, n, h, final_norm, d.eps, out);
   free(buffer);
+  free(row_seq);
 }
 
 extern "C" {
@@ -560,19 +586,23 @@ void verispec_panel_linear_i8(const float* x, int64_t M, int64_t K, const int8_t
 }
 
 // dims: num_layers, hidden, heads, kv_heads, head_dim, intermediate, qkv_parts (1: stacked, 3: q, k,
-// v), gate_up_parts (1: stacked, 2: gate, up); capacities[l]: positions the KV buffers of layer l hold
-// (their second dimension); per layer l, P = qkv_parts + gate_up_parts + 2 entries from P·l of
-// weights/scales/colsums/biases: the qkv parts, o, the gate_up parts, down (scales and colsums null for
-// float32, colsums null unless the int8 layout is VNNI, biases may be null); norms[2l], norms[2l+1] =
-// input and post-attention RMSNorm, caches[2l], caches[2l+1] = keys, values [kv_heads, capacity,
-// head_dim] with positions < start filled. x [n, hidden] (the token embeddings) is the residual
-// stream, overwritten; out [n, hidden] receives the final-normed features.
-void verispec_lean_stack(const int64_t* dims, const int64_t* capacities, float eps, int int8, int64_t n, int64_t start,
-                         float* x, const float* cos, const float* sin, const void* const* weights,
-                         const float* const* scales, const int32_t* const* colsums, const float* const* biases,
-                         const float* const* norms, const float* final_norm, float* const* caches, float* out,
-                         int num_threads) {
-  const LeanStackDims d = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], capacities, eps};
+// v), gate_up_parts (1: stacked, 2: gate, up); per layer l, P = qkv_parts + gate_up_parts + 2 entries
+// from P·l of weights/scales/colsums/biases: the qkv parts, o, the gate_up parts, down (scales and
+// colsums null for float32, colsums null unless the int8 layout is VNNI, biases may be null);
+// norms[2l], norms[2l+1] = input and post-attention RMSNorm. The pass extends num_seqs sequences
+// (Segments above: seq_rows, seq_starts, capacities [num_layers][num_seqs], caches
+// [num_layers][num_seqs][keys, values], positions < start filled); n = the sum of seq_rows. x [n,
+// hidden] (the token embeddings, sequence by sequence) is the residual stream, overwritten; cos / sin
+// [n, head_dim] each row's rotary angles; out [n, hidden] receives the final-normed features.
+void verispec_lean_stack(const int64_t* dims, float eps, int int8, int64_t num_seqs, const int64_t* seq_rows,
+                         const int64_t* seq_starts, const int64_t* capacities, float* const* caches, float* x,
+                         const float* cos, const float* sin, const void* const* weights, const float* const* scales,
+                         const int32_t* const* colsums, const float* const* biases, const float* const* norms,
+                         const float* final_norm, float* out, int num_threads) {
+  const LeanStackDims d = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], eps};
+  const Segments seq = {num_seqs, seq_rows, seq_starts, capacities, caches};
+  int64_t n = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) n += seq_rows[s];
   const int64_t H = d.heads, KV = d.kv_heads, D = d.head_dim, I = d.intermediate, h = d.hidden;
   // Output and input widths of each entry of a layer, in order.
   int64_t outputs[7], inputs[7], per_layer = 0;
@@ -587,9 +617,9 @@ void verispec_lean_stack(const int64_t* dims, const int64_t* capacities, float e
   for (int64_t i = 0; i < per_layer * d.num_layers; ++i)
     layers[i] = Weight{weights[i], outputs[i % per_layer], inputs[i % per_layer], scales[i], colsums[i], biases[i]};
   if (int8)
-    lean_stack<true>(d, n, start, x, cos, sin, layers, norms, final_norm, caches, out, num_threads);
+    lean_stack<true>(d, seq, n, x, cos, sin, layers, norms, final_norm, out, num_threads);
   else
-    lean_stack<false>(d, n, start, x, cos, sin, layers, norms, final_norm, caches, out, num_threads);
+    lean_stack<false>(d, seq, n, x, cos, sin, layers, norms, final_norm, out, num_threads);
   free(layers);
 }
 }

@@ -146,9 +146,7 @@ def panel_library() -> ctypes.CDLL:
     library.verispec_panel_linear_f32.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, ctypes.c_int]
     library.verispec_panel_linear_i8.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, pointer, pointer, ctypes.c_int]
     library.verispec_panel_linear_f32_panels.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
-    library.verispec_lean_stack.argtypes = [
-        pointer, pointer, ctypes.c_float, ctypes.c_int, int64, int64, *[pointer] * 11, ctypes.c_int
-    ]
+    library.verispec_lean_stack.argtypes = [pointer, ctypes.c_float, ctypes.c_int, int64, *[pointer] * 14, ctypes.c_int]
     return library
 
 

@@ -7,6 +7,7 @@
 from verispec.serving.app import ServeConfig, create_app
 from verispec.serving.batch_cache import BatchedTarget, CompactionPolicy
 from verispec.serving.gamma_policy import BatchGammaPolicy
+from verispec.serving.lean_batch import LeanBatchedTarget
 from verispec.serving.scheduler import GenerationRequest, QueueFullError, Scheduler, SchedulerConfig
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "BatchedTarget",
     "CompactionPolicy",
     "GenerationRequest",
+    "LeanBatchedTarget",
     "QueueFullError",
     "Scheduler",
     "SchedulerConfig",

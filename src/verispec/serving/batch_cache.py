@@ -148,12 +148,7 @@ class BatchedTarget:
         of them, as :meth:`CachedLM.extend` would (``argmax_only``: every row decodes greedily, so only
         the logits' argmax need be right). Call :meth:`commit` before the next pass.
         """
-        if len(new_ids) != self.rows or len(num_logits) != self.rows:
-            raise ValueError(f"new_ids and num_logits need one entry per row ({self.rows}), got {len(new_ids)} and {len(num_logits)}")
-        if any(not ids for ids in new_ids):
-            raise ValueError("every row needs at least one new token")
-        if any(not 0 <= n <= len(ids) for n, ids in zip(num_logits, new_ids)):
-            raise ValueError("num_logits[i] must be in [0, len(new_ids[i])]")
+        check_feeds(new_ids, num_logits, self.rows)
         self._check_committed()
         lengths = torch.tensor([len(ids) for ids in new_ids])  # [rows]
         fed_width = int(lengths.max())
@@ -175,10 +170,7 @@ class BatchedTarget:
         self.real = torch.cat([self.real, torch.zeros(self.rows, fed_width, dtype=torch.bool)], dim=1)
         self._fed = lengths.tolist()
         features = [hidden[row, :length] for row, length in enumerate(self._fed)]  # each [len_i, hidden]
-        # The LM head only on the rows whose logits are wanted, all rows in one matrix product.
-        wanted = [f[len(f) - n :] for f, n in zip(features, num_logits)]
-        logits = self._head.logits(torch.cat(wanted), argmax_only).split(num_logits)  # each [num_logits_i, vocab]
-        return [ForwardOutput(logits=l, features=f) for l, f in zip(logits, features)]
+        return head_outputs(self._head, features, num_logits, argmax_only)
 
     def _attention_mask(self, fed_real: torch.Tensor) -> torch.Tensor:
         """Additive mask [rows, 1, q, width + q]: a fed token sees real columns up to itself."""
@@ -195,10 +187,7 @@ class BatchedTarget:
     @torch.inference_mode()
     def commit(self, kept: list[int]) -> None:
         """Row ``i`` keeps the first ``kept[i]`` tokens it was fed by the last :meth:`extend`."""
-        if self._fed is None:
-            raise RuntimeError("commit() without a pending extend()")
-        if len(kept) != self.rows or any(not 0 <= k <= f for k, f in zip(kept, self._fed)):
-            raise ValueError(f"kept must give each row a count in [0, fed], got {kept} for fed {self._fed}")
+        check_kept(kept, self._fed)
         start = self.width - max(self._fed)
         for row, count in enumerate(kept):
             self.real[row, start : start + count] = True
@@ -237,6 +226,32 @@ class BatchedTarget:
     def _check_committed(self) -> None:
         if self._fed is not None:
             raise RuntimeError("the last extend() has not been committed")
+
+
+def check_feeds(new_ids: list[list[int]], num_logits: list[int], rows: int) -> None:
+    """A batched pass's arguments: one non-empty feed per row, logits for at most its fed tokens."""
+    if len(new_ids) != rows or len(num_logits) != rows:
+        raise ValueError(f"new_ids and num_logits need one entry per row ({rows}), got {len(new_ids)} and {len(num_logits)}")
+    if any(not ids for ids in new_ids):
+        raise ValueError("every row needs at least one new token")
+    if any(not 0 <= n <= len(ids) for n, ids in zip(num_logits, new_ids)):
+        raise ValueError("num_logits[i] must be in [0, len(new_ids[i])]")
+
+
+def check_kept(kept: list[int], fed: list[int] | None) -> None:
+    """A commit's counts: one per row, each within what the pending pass fed that row."""
+    if fed is None:
+        raise RuntimeError("commit() without a pending extend()")
+    if len(kept) != len(fed) or any(not 0 <= k <= f for k, f in zip(kept, fed)):
+        raise ValueError(f"kept must give each row a count in [0, fed], got {kept} for fed {fed}")
+
+
+def head_outputs(head: CachedLM, features: list[torch.Tensor], num_logits: list[int], argmax_only: bool) -> list[ForwardOutput]:
+    """Each row's logits for its last ``num_logits[i]`` features # [len_i, hidden], through ``head``'s
+    LM head (or argmax screen) for all rows in one matrix product, with its features."""
+    wanted = [f[len(f) - n :] for f, n in zip(features, num_logits)]
+    logits = head.logits(torch.cat(wanted), argmax_only).split(num_logits)  # each [num_logits_i, vocab]
+    return [ForwardOutput(logits=l, features=f) for l, f in zip(logits, features)]
 
 
 def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor] | None]:

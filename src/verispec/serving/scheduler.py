@@ -10,7 +10,8 @@ reads the events a request's ``sink`` receives. The scheduler thread loops over 
    lowered per request by its own :class:`~verispec.engine.gamma.AdaptiveGamma` (acceptance of
    this request's text, costs shared by all) so text the drafter cannot follow - a rejection
    attack included - is decoded plainly instead of slower than plainly;
-3. ONE target forward over all running requests (:class:`~verispec.serving.batch_cache.BatchedTarget`);
+3. ONE target forward over all running requests (:class:`~verispec.serving.lean_batch.LeanBatchedTarget`
+   where the target runs the lean forward, else :class:`~verispec.serving.batch_cache.BatchedTarget`);
 4. each request verifies its rows with the single-sequence engine's own functions
    (:func:`~verispec.engine.decoder.verify_drafts`: ``greedy_verify`` / ``rejection_sample``), so
    the math is exactly the engine's; stop conditions cut; the accepted tokens are sent at once;
@@ -42,6 +43,7 @@ from verispec.engine.stopping import StopCondition
 from verispec.sampling import SamplingParams
 from verispec.serving.batch_cache import BatchedTarget, CompactionPolicy
 from verispec.serving.gamma_policy import BatchGammaPolicy
+from verispec.serving.lean_batch import LeanBatchedTarget, lean_batching_unsupported_reason
 from verispec.serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,10 @@ class SchedulerConfig:
     # Passes whose rows all decode greedily take the LM head's argmax through its exact int8 screen
     # (models/screened_head.py) where the target runs the float32 panel kernels.
     screen_lm_head: bool = True
+    # Where the target runs the lean forward (panel kernels): each request keeps its own cache and a
+    # pass is one fused kernel call over every request's rows (serving/lean_batch.py); False, or a
+    # target it cannot run: transformers' forward over one shared masked cache (serving/batch_cache.py).
+    lean_batching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gamma", "max_batch", "max_queue"):
@@ -148,7 +154,7 @@ class Scheduler:
         self.config = config if config is not None else SchedulerConfig()
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.monitor = monitor if monitor is not None else AcceptanceMonitor(self.config.monitor)
-        self.target = BatchedTarget(target, self.config.compaction, self.config.screen_lm_head)
+        self.target = batched_target(target, self.config)
         self.drafter = drafter
         self.tokenizer = tokenizer
         self._wants_features = bool(drafter is not None and drafter.needs_target_features)
@@ -395,6 +401,13 @@ class Scheduler:
             self._fail(row.request, closed)
         self._leave(list(self._rows))
         self.metrics.queue_length.set(0)
+
+
+def batched_target(model: PreTrainedModel, config: SchedulerConfig) -> BatchedTarget | LeanBatchedTarget:
+    """What runs the shared passes: the lean fused stack where it can, else the masked shared cache."""
+    if config.lean_batching and lean_batching_unsupported_reason(model) is None:
+        return LeanBatchedTarget(model, config.screen_lm_head)
+    return BatchedTarget(model, config.compaction, config.screen_lm_head)
 
 
 def _close(session: DraftSession | None) -> None:

@@ -1,0 +1,145 @@
+"""The target plus one KV cache PER request, passes over all of them in one kernel call: batched serving
+on the lean forward.
+
+:class:`~verispec.serving.batch_cache.BatchedTarget` runs transformers' forward over one shared,
+padded cache with a 4-D mask. Where the target runs our panel kernels and the lean forward covers
+it (:func:`~verispec.engine.lean_lm.target_runs_lean`), :class:`LeanBatchedTarget` does instead what
+the single-sequence engine does, for many sequences at once: each request owns its per-layer
+:class:`~verispec.engine.kv_cache.LayerKVCache` (preallocated, rolled back by moving its end), and a
+pass is ONE call of the fused stack (``verispec_lean_stack``) over every request's new rows: the
+weight products run over all rows together (the weights are read once), attention reads each row's
+own cache. So there is no padding, no mask, no compaction, and no per-round copy of any cache;
+joining is a prefill into the newcomer's own cache, leaving drops its caches.
+
+Exactness: the kernels compute every row of a product exactly as a pass over that row alone would,
+and a row's attention sees only its own sequence, so a request's tokens do not depend on who shares
+its passes — and a lone request runs exactly the engine's forward (the same call with one sequence),
+so the server's greedy text equals ``verispec generate``'s (tested bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verispec.engine.cached_lm import ForwardOutput
+from verispec.engine.kv_cache import LayerKVCache
+from verispec.engine.lean_lm import LeanDecoder, target_lm, target_runs_lean
+from verispec.models.rotary import rotary_cos_sin
+from verispec.serving.batch_cache import check_feeds, check_kept, head_outputs
+
+
+def lean_batching_unsupported_reason(model: nn.Module) -> str | None:
+    """Why :class:`LeanBatchedTarget` cannot serve ``model``, or None if it can."""
+    if not target_runs_lean(model):
+        return "the target does not run the lean forward (it needs the panel kernels and a Llama/Qwen2/Mistral-family model)"
+    if LeanDecoder.shared(model).fused is None:
+        return "the fused stack does not cover this model's products"
+    return None
+
+
+class LeanBatchedTarget:
+    """A causal LM serving several sequences at once, each from its own cache, through the fused stack.
+
+    Between passes every row holds its committed sequence minus the last token (the engine's
+    invariant). :meth:`extend` feeds each row its own tokens in one pass; :meth:`commit` then says
+    how many of them each row keeps. Same interface as :class:`~verispec.serving.batch_cache.BatchedTarget`.
+    """
+
+    def __init__(self, model: nn.Module, screen_lm_head: bool = True) -> None:
+        reason = lean_batching_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"lean batched serving cannot run this model: {reason}")
+        self.model = model
+        self.decoder = LeanDecoder.shared(model)
+        self._fused = self.decoder.fused
+        # The LM head (and its int8 argmax screen for greedy passes), as the engine computes it.
+        self._head = target_lm(model, screen_lm_head=screen_lm_head)
+        self.device = self._head.device
+        self._caches: list[list[LayerKVCache]] = []  # per row: its per-layer caches
+        self._fed: list[int] | None = None  # per row: tokens fed by the last extend(), awaiting commit()
+
+    @property
+    def rows(self) -> int:
+        return len(self._caches)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._head.vocab_size
+
+    @property
+    def next_positions(self) -> list[int]:
+        """Per row: its number of committed-and-cached tokens."""
+        return [caches[0].length for caches in self._caches]
+
+    @torch.inference_mode()
+    def add(self, prompt: list[int]) -> torch.Tensor:
+        """Prefill ``prompt[:-1]`` into a new row's own cache; return its features [n, hidden]."""
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        self._check_committed()
+        caches = self.decoder.new_cache()
+        features = torch.zeros(0, self.decoder.hidden_size)  # [0, hidden]
+        if len(prompt) > 1:
+            features = self.decoder.forward(torch.tensor(prompt[:-1], dtype=torch.long), caches)
+        self._caches.append(caches)
+        return features
+
+    def remove(self, keep: list[int]) -> None:
+        """Keep only the rows at indices ``keep`` (in that order); free the others."""
+        self._check_committed()
+        self._caches = [self._caches[index] for index in keep]
+
+    @torch.inference_mode()
+    def extend(self, new_ids: list[list[int]], num_logits: list[int], argmax_only: bool = False) -> list[ForwardOutput]:
+        """One pass feeding row ``i`` the tokens ``new_ids[i]`` (at least one each).
+
+        Returns per row the logits for its last ``num_logits[i]`` fed tokens and the features of all
+        of them, as the engine's target would (``argmax_only``: every row decodes greedily, so only
+        the logits' argmax need be right). Call :meth:`commit` before the next pass.
+        """
+        check_feeds(new_ids, num_logits, self.rows)
+        self._check_committed()
+        lengths = [len(ids) for ids in new_ids]
+        features: list[torch.Tensor] = []  # each [len_i, hidden]
+        # As many rows per call as the kernels take; more (a big batch of long drafts) in several calls.
+        for first, last in _groups(lengths, self._fused.max_rows):
+            features += self._pass(new_ids[first:last], self._caches[first:last])
+        self._fed = lengths
+        return head_outputs(self._head, features, num_logits, argmax_only)
+
+    def _pass(self, new_ids: list[list[int]], sequences: list[list[LayerKVCache]]) -> list[torch.Tensor]:
+        """One fused call extending ``sequences``; each sequence's features # [len_i, hidden]."""
+        if len(sequences) == 1:  # a lone request: the engine's own forward, call for call
+            return [self.decoder.forward(torch.tensor(new_ids[0], dtype=torch.long), sequences[0])]
+        positions = torch.cat([torch.arange(caches[0].length, caches[0].length + len(ids)) for ids, caches in zip(new_ids, sequences)])  # [n]
+        cos, sin = rotary_cos_sin(positions.float(), self.decoder.inv_freq)  # each [n, head_dim]
+        hidden = self.decoder.embed(torch.tensor([token for ids in new_ids for token in ids], dtype=torch.long))  # [n, hidden]
+        out = self._fused(hidden, sequences, [len(ids) for ids in new_ids], cos, sin)  # [n, hidden]
+        return list(out.split([len(ids) for ids in new_ids]))
+
+    def commit(self, kept: list[int]) -> None:
+        """Row ``i`` keeps the first ``kept[i]`` tokens it was fed by the last :meth:`extend`."""
+        check_kept(kept, self._fed)
+        for caches, count, fed in zip(self._caches, kept, self._fed):
+            for cache in caches:  # the one rollback: the rejected drafts' keys/values are dropped
+                cache.crop(cache.length - fed + count)
+        self._fed = None
+
+    def _check_committed(self) -> None:
+        if self._fed is not None:
+            raise RuntimeError("the last extend() has not been committed")
+
+
+def _groups(lengths: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges [first, last) of ``lengths`` each summing to at most ``max_rows``
+    (a single longer entry gets a range of its own)."""
+    groups, first, total = [], 0, 0
+    for index, length in enumerate(lengths):
+        if index > first and total + length > max_rows:
+            groups.append((first, index))
+            first, total = index, 0
+        total += length
+    if lengths:
+        groups.append((first, len(lengths)))
+    return groups

@@ -1,0 +1,150 @@
+"""Batched serving on the lean forward: per-request caches, one fused kernel call per pass."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+from tiny_models import noisy_copy, tiny_target
+
+from verispec import DraftModel, SamplingParams, SpeculativeDecoder
+from verispec.engine.lean_lm import target_lm
+from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
+from verispec.serving import BatchedTarget, BatchGammaPolicy, GenerationRequest, LeanBatchedTarget, Scheduler, SchedulerConfig
+from verispec.serving.lean_batch import _groups
+from verispec.serving.scheduler import batched_target
+
+pytestmark = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
+# With the wide AVX-512 float32 kernels a row's products are the same operations whatever rows run
+# beside it, so batching is bit for bit; the AVX2 kernels may round a row differently in a group.
+BITWISE = panel_kernels_unavailable_reason() is None and f32_panel_width() == 32
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    if BITWISE:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def panel_target():
+    return use_panel_kernels(tiny_target())
+
+
+# Per round, per sequence: (fed tokens, how many of them the sequence keeps).
+PROMPTS = {"a": list(range(3, 20)), "b": [7, 8], "c": list(range(40, 71))}
+ROUNDS = [
+    {"a": ([5, 6, 7], 2), "b": ([9], 1)},
+    {"a": ([8, 9, 10, 11, 12], 5), "b": ([10, 11, 12], 1), "c": ([30, 31], 2)},  # c joins
+    {"b": ([13, 14], 2), "c": ([32, 33, 34, 35, 36, 37, 38], 3)},  # a leaves
+    {"b": ([15], 1), "c": ([39], 1)},
+]
+
+
+def _alone(model, name):
+    """The engine's target running sequence ``name``'s rounds by itself: logits and features per round."""
+    lm = target_lm(model)
+    lm.extend(PROMPTS[name][:-1], num_logits=0)
+    out = []
+    for fed in ROUNDS:
+        if name in fed:
+            ids, kept = fed[name]
+            step = lm.extend(ids, num_logits=len(ids))
+            out.append((step.logits, step.features))
+            lm.crop(len(lm) - len(ids) + kept)
+    return out
+
+
+def _batched(target, model):
+    """The same rounds through ``target`` (a LeanBatchedTarget or BatchedTarget), rows joining and leaving."""
+    order, out = [], {name: [] for name in PROMPTS}
+    for fed in ROUNDS:
+        for name in fed:
+            if name not in order:
+                target.add(PROMPTS[name])  # prefills prompt[:-1], as _alone does
+                order.append(name)
+        leaving = [name for name in order if name not in fed]
+        if leaving:
+            target.remove([index for index, name in enumerate(order) if name in fed])
+            order = [name for name in order if name in fed]
+        steps = target.extend([fed[name][0] for name in order], [len(fed[name][0]) for name in order])
+        for name, step in zip(order, steps):
+            out[name].append((step.logits, step.features))
+        target.commit([fed[name][1] for name in order])
+    return out
+
+
+def test_rows_sharing_passes_compute_exactly_what_they_compute_alone(panel_target):
+    batched = _batched(LeanBatchedTarget(panel_target), panel_target)
+    masked = _batched(BatchedTarget(panel_target), panel_target)  # transformers' forward: equal up to rounding
+    for name in PROMPTS:
+        alone = _alone(panel_target, name)
+        assert len(alone) == len(batched[name]) == len(masked[name])
+        for (want_logits, want_features), (logits, features), (_, masked_features) in zip(alone, batched[name], masked[name]):
+            _same(features, want_features)
+            _same(logits, want_logits)
+            torch.testing.assert_close(masked_features, want_features, atol=1e-4, rtol=1e-4)
+
+
+def test_more_rows_than_one_kernel_call_takes_run_in_several_calls(panel_target, monkeypatch):
+    target = LeanBatchedTarget(panel_target)
+    monkeypatch.setattr(target._fused, "max_rows", 4)  # round 2 feeds 5 + 3 + 2 rows: three calls
+    calls = []
+    real = target._fused.__class__.__call__
+    monkeypatch.setattr(target._fused.__class__, "__call__", lambda self, *args: calls.append(args[2]) or real(self, *args))
+    batched = _batched(target, panel_target)
+    assert [3, 1] in calls and all(sum(rows) <= 4 for rows in calls)  # (5 and 7 rows: the op-by-op forward, as alone)
+    for name in PROMPTS:
+        for (want_logits, want_features), (logits, features) in zip(_alone(panel_target, name), batched[name]):
+            _same(features, want_features)
+            _same(logits, want_logits)
+    assert _groups([5, 3, 2, 1], 4) == [(0, 1), (1, 2), (2, 4)] and _groups([], 4) == []
+
+
+def test_commit_rolls_every_row_back_to_its_kept_tokens_and_checks_its_arguments(panel_target):
+    target = LeanBatchedTarget(panel_target)
+    target.add([3, 4, 5, 6])
+    target.add([7, 8])
+    target.extend([[6, 1, 2, 3], [8]], [4, 1])
+    with pytest.raises(RuntimeError, match="not been committed"):
+        target.add([1, 2])
+    with pytest.raises(ValueError, match="kept must give each row"):
+        target.commit([5, 1])
+    target.commit([2, 1])
+    assert target.next_positions == [3 + 2, 1 + 1]
+    with pytest.raises(ValueError, match="one entry per row"):
+        target.extend([[1]], [1])
+    with pytest.raises(RuntimeError, match="without a pending extend"):
+        target.commit([1, 1])
+
+
+def test_the_scheduler_serves_a_panel_target_through_lean_batching_and_matches_the_engine(panel_target):
+    assert isinstance(batched_target(panel_target, SchedulerConfig()), LeanBatchedTarget)
+    assert isinstance(batched_target(panel_target, SchedulerConfig(lean_batching=False)), BatchedTarget)
+    assert isinstance(batched_target(tiny_target(), SchedulerConfig()), BatchedTarget)  # transformers' linears: masked
+    with pytest.raises(ValueError, match="lean batched serving cannot run this model"):
+        LeanBatchedTarget(tiny_target())
+    drafter = DraftModel(noisy_copy(tiny_target(), noise=0.05))
+    prompts = [list(range(3, 12)), [5, 6], list(range(20, 45)), [9, 9, 9, 9]]
+    engine = SpeculativeDecoder(panel_target, drafter, gamma=3)
+    expected = [engine.generate(prompt, max_new_tokens=20, stop=[]).token_ids for prompt in prompts]
+    # Drafting at every batch size, so rows of different lengths share every pass.
+    config = SchedulerConfig(gamma=3, gamma_policy=BatchGammaPolicy(full_until=8, off_from=40))
+    scheduler = Scheduler(panel_target, drafter, None, config)
+    assert isinstance(scheduler.target, LeanBatchedTarget)
+    sinks = [queue.Queue() for _ in prompts]
+    try:
+        for prompt, sink in zip(prompts, sinks):
+            scheduler.submit(GenerationRequest(prompt, 20, SamplingParams(), [], sink.put))
+        got = []
+        for sink in sinks:
+            tokens, step = [], None
+            while step is None or step.finish_reason is None:
+                step = sink.get(timeout=60)
+                tokens += step.token_ids
+            got.append(tokens)
+    finally:
+        scheduler.stop()
+    assert got == expected
