@@ -7,7 +7,7 @@ import torch
 from tiny_models import tiny_target
 
 from verispec.models import kernel_choice
-from verispec.models.kernel_choice import TIMED_ROWS, KernelChoice, fastest_target_kernels, head_slice, sweep_weights, time_sweeps
+from verispec.models.kernel_choice import LONG_PASS_ROWS, LONG_PASS_WEIGHTS, TIMED_ROWS, KernelChoice, fastest_target_kernels, head_slice, sweep_weights, time_sweeps
 from verispec.models.packed_linear import onednn_packing_available
 from verispec.models.panel_linear import PanelLinear, panel_kernels_unavailable_reason
 
@@ -44,16 +44,38 @@ def test_sweeps_are_timed_per_row_count_for_every_kernel():
 @both_kernels
 def test_the_pick_is_the_smaller_total_over_the_timed_rows(monkeypatch):
     fake = {"panel": {1: 1.0, 8: 5.0}, "packed": {1: 2.0, 8: 3.0}}  # panel wins a step, packed the total
-    monkeypatch.setattr(kernel_choice, "time_sweeps", lambda kernels, in_features, repeats: fake)
+    monkeypatch.setattr(kernel_choice, "time_sweeps", lambda kernels, in_features, repeats, row_counts=TIMED_ROWS: fake)
     choice = fastest_target_kernels(tiny_target())
     assert choice.name == "packed" and choice.seconds == fake and choice.num_weights > 0
     assert "packed (timed here" in choice.summary() and "panel 1000.0 / 5000.0" in choice.summary()
+    assert choice.long_passes == "dense" and not choice.long_pass_seconds  # packed: prefill stays torch's
+
+
+@both_kernels
+@pytest.mark.parametrize("faster", ["panel", "dense"])
+def test_a_panel_pick_times_prefill_products_in_panel_chunks_against_dense(monkeypatch, faster):
+    timed = {}
+
+    def fake(kernels, in_features, repeats, row_counts=TIMED_ROWS):
+        if row_counts == (LONG_PASS_ROWS,):
+            timed.update(kernels)
+            return {"panel": {LONG_PASS_ROWS: 1.0 if faster == "panel" else 3.0}, "dense": {LONG_PASS_ROWS: 2.0}}
+        return {"panel": {rows: 1.0 for rows in row_counts}, "packed": {rows: 2.0 for rows in row_counts}}
+
+    monkeypatch.setattr(kernel_choice, "time_sweeps", fake)
+    choice = fastest_target_kernels(tiny_target())
+    assert choice.name == "panel" and choice.long_passes == faster
+    assert ("prefill products in panel chunks" in choice.summary()) == (faster == "panel") and f"ms for {LONG_PASS_ROWS} rows" in choice.summary()
+    assert all(layer.chunk_long_passes for layer in timed["panel"]) and len(timed["dense"]) == len(timed["panel"]) <= LONG_PASS_WEIGHTS
+    x = torch.randn(LONG_PASS_ROWS, timed["panel"][0].in_features)
+    torch.testing.assert_close(timed["panel"][0](x), timed["dense"][0](x), atol=1e-4, rtol=1e-4)  # the same product, two ways
 
 
 @both_kernels
 def test_a_real_timing_on_a_tiny_model_picks_one_of_the_two():
     choice = fastest_target_kernels(tiny_target(), repeats=1)
     assert choice.name in ("panel", "packed") and set(choice.seconds) == {"panel", "packed"}
+    assert set(choice.long_pass_seconds) == ({"panel", "dense"} if choice.name == "panel" else set())
     assert all(seconds > 0 for by_rows in choice.seconds.values() for seconds in by_rows.values())
 
 
@@ -87,7 +109,9 @@ def test_the_head_slice_keeps_the_heads_share_of_a_pass_and_is_a_view():
 def test_a_greedy_run_times_the_panel_head_as_the_int8_screen(monkeypatch):
     seen = {}
 
-    def fake(kernels, in_features, repeats):
+    def fake(kernels, in_features, repeats, row_counts=TIMED_ROWS):
+        if row_counts != TIMED_ROWS:  # the prefill timing after a panel pick
+            return {name: {rows: 1.0 for rows in row_counts} for name in kernels}
         seen.update(kernels=kernels, in_features=in_features)
         return {"panel": {rows: 1.0 for rows in TIMED_ROWS}, "packed": {rows: 2.0 for rows in TIMED_ROWS}}
 

@@ -91,6 +91,20 @@ def test_more_rows_or_gradients_use_the_layer_it_wraps():
     assert set(layer.state_dict()) == {"weight", "bias"}
 
 
+@needs_kernels
+def test_long_passes_run_the_kernels_in_chunks_when_asked():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 40)
+    layer = PanelLinear(linear, chunk_long_passes=True)
+    many = torch.randn(2 * MAX_KERNEL_ROWS + 5, 32)  # a prefill: three kernel calls
+    chunks = torch.cat([layer(many[first : first + MAX_KERNEL_ROWS]) for first in range(0, len(many), MAX_KERNEL_ROWS)])
+    assert torch.equal(layer(many), chunks)
+    torch.testing.assert_close(layer(many), linear(many), atol=1e-5, rtol=1e-5)
+    assert layer(many[None]).shape == (1, len(many), 40)
+    quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(32, 40)))[0]
+    assert not PanelLinear(quantized, chunk_long_passes=True).chunk_long_passes  # int8 drafts keep fbgemm for long passes
+
+
 def row_quantized(x: torch.Tensor) -> torch.Tensor:
     """x # [rows, in] as the VNNI kernel sees it: round(x / s) * s, s = max|row| / 127 (float64)."""
     scale = x.double().abs().amax(dim=1, keepdim=True) / 127

@@ -102,6 +102,7 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
 
     kernels = args.target_kernels
     used = kernels
+    chunk_long_passes = False  # prefill products through the panel kernels in chunks: only where auto timed it faster
     screened_head = getattr(args, "greedy_lm_head", "screened") == "screened"
     if kernels != "dense":
         use_gqa_attention(target.model)
@@ -115,11 +116,12 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
             choice = fastest_target_kernels(target.model, screened_head=screened_head and getattr(args, "temperature", None) == 0)
             print(f"verispec: target kernels: {choice.summary()}", file=sys.stderr)
             kernels, used = choice.name, f"auto: {choice.summary()}"
+            chunk_long_passes = choice.long_passes == "panel"
         elif kernels == "panel" and reason is not None:
             print(f"note: --target-kernels panel cannot run here ({reason}); using packed", file=sys.stderr)
             kernels, used = "packed", f"packed (panel cannot run here: {reason})"
         if kernels == "panel":
-            use_panel_kernels(target.model)
+            use_panel_kernels(target.model, chunk_long_passes)
             if screened_head:  # build its int8 copy now, not in the first request
                 ScreenedArgmaxHead.for_head(target.model.get_output_embeddings())
         elif kernels == "packed" and onednn_packing_available():

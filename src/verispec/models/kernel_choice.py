@@ -23,6 +23,7 @@ greedy run is not handed packed kernels that are faster on the body but slower o
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from verispec.models.panel_linear import PanelLinear, panel_kernels_unavailable_
 from verispec.models.screened_head import ScreenedArgmaxHead
 
 TIMED_ROWS = (1, 8)  # a decoding step; a verification pass of gamma+1 = 8 tokens (gamma 6-8 is typical)
+LONG_PASS_ROWS = 256  # a prompt's prefill: more rows than one panel kernel call takes
+LONG_PASS_WEIGHTS = 3  # compute-bound: a few weights tell, they need not stream from memory
 # Larger than the last-level caches seen here (32 MiB on the EPYC, 260 MiB on the Xeon).
 SWEEP_BYTES = 768 << 20
 
@@ -50,6 +53,10 @@ class KernelChoice:
     num_weights: int = 0  # body weights swept (the head slice not counted)
     head_rows: int = 0  # rows of the LM head's slice in the sweep (0: none)
     screened_head: bool = False  # the panel side's head slice timed as the greedy screen runs
+    # Products over more rows than one panel call takes (prefill): "panel" in chunks, or "dense"
+    # (torch's product), with the seconds each took over LONG_PASS_ROWS rows (empty: not timed).
+    long_passes: str = "dense"
+    long_pass_seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         if not self.seconds:
@@ -59,7 +66,11 @@ class KernelChoice:
         head = ""
         if self.head_rows:
             head = f" and {self.head_rows} LM-head rows" + (" (screened on panel)" if self.screened_head else "")
-        return f"{self.name} (timed here over {self.num_weights} of the model's weights{head}, ms for {rows} rows: {timings})"
+        long = ""
+        if self.long_pass_seconds:
+            times = ", ".join(f"{name} {1e3 * seconds:.0f}" for name, seconds in self.long_pass_seconds.items())
+            long = f"; prefill products {'in panel chunks' if self.long_passes == 'panel' else 'dense'} (ms for {LONG_PASS_ROWS} rows: {times})"
+        return f"{self.name} (timed here over {self.num_weights} of the model's weights{head}, ms for {rows} rows: {timings}{long})"
 
 
 def sweep_weights(model: nn.Module, min_bytes: int = SWEEP_BYTES) -> list[nn.Linear]:
@@ -104,14 +115,16 @@ def screened_pass(head: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda features: screen.approximate(features)[0]  # features: [n, K] -> [n, rows] approximate logits
 
 
-def time_sweeps(kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]], in_features: list[int], repeats: int = 3) -> dict[str, dict[int, float]]:
+def time_sweeps(
+    kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]], in_features: list[int], repeats: int = 3, row_counts: tuple[int, ...] = TIMED_ROWS
+) -> dict[str, dict[int, float]]:
     """Median seconds of one sweep (every callable of a kernel family once, in order) per row count
-    in ``TIMED_ROWS``; ``in_features[i]`` is the input width of the i-th callable."""
+    in ``row_counts``; ``in_features[i]`` is the input width of the i-th callable."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    times: dict[str, dict[int, list[float]]] = {name: {rows: [] for rows in TIMED_ROWS} for name in kernels}
+    times: dict[str, dict[int, list[float]]] = {name: {rows: [] for rows in row_counts} for name in kernels}
     with torch.inference_mode():
-        for rows in TIMED_ROWS:
+        for rows in row_counts:
             inputs = [torch.randn(rows, width) for width in in_features]
             for attempt in range(repeats + 1):  # the first sweep warms up (allocations, kernel selection)
                 for name, layers in kernels.items():
@@ -150,4 +163,21 @@ def fastest_target_kernels(model: nn.Module, min_bytes: int = SWEEP_BYTES, repea
     seconds = time_sweeps(kernels, [linear.in_features for linear in timed], repeats)
     del kernels  # the second copies go before the model's real conversion makes its own
     name = min(seconds, key=lambda kernel: sum(seconds[kernel].values()))
-    return KernelChoice(name, seconds, len(weights), head.out_features if head is not None else 0, screened)
+    choice = KernelChoice(name, seconds, len(weights), head.out_features if head is not None else 0, screened)
+    if name == "panel":
+        choice.long_pass_seconds = time_long_passes(weights[:LONG_PASS_WEIGHTS], repeats)
+        choice.long_passes = min(choice.long_pass_seconds, key=choice.long_pass_seconds.get)
+    return choice
+
+
+def time_long_passes(weights: list[nn.Linear], repeats: int = 3) -> dict[str, float]:
+    """Median seconds of products over ``LONG_PASS_ROWS`` rows through ``weights``: the panel kernels
+    in chunks of the rows one call takes (``PanelLinear(chunk_long_passes=True)``) against torch's
+    dense product (where a PanelLinear sends them otherwise)."""
+    with torch.no_grad():
+        kernels = {
+            "panel": [PanelLinear(linear, chunk_long_passes=True) for linear in weights],
+            "dense": [functools.partial(nn.functional.linear, weight=linear.weight, bias=linear.bias) for linear in weights],
+        }
+    seconds = time_sweeps(kernels, [linear.in_features for linear in weights], repeats, row_counts=(LONG_PASS_ROWS,))
+    return {name: by_rows[LONG_PASS_ROWS] for name, by_rows in seconds.items()}

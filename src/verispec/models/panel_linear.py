@@ -193,9 +193,16 @@ class PanelLinear(nn.Module):
     over at most ``MAX_KERNEL_ROWS`` (int8: ``MAX_INT8_KERNEL_ROWS``) rows run the panel kernels;
     more rows, gradients or other dtypes go to the layer it was built from. Float layers keep
     ``weight``/``bias`` as they were (state_dict keys unchanged); the packed panels are a second
-    copy of the weight."""
+    copy of the weight.
 
-    def __init__(self, source: nn.Module) -> None:
+    ``chunk_long_passes``: float32 products over more rows than one kernel call takes (a prompt's
+    prefill) run the kernels on ``max_kernel_rows`` rows at a time instead of going to the source
+    layer: on a 2-core AMD EPYC (Zen 4) a 143-token prefill of the 1.5B target took 2.1 s so against
+    3.1-3.7 s through torch's dense product. Whether it pays depends on the CPU's BLAS, so
+    ``--target-kernels auto`` times it (:func:`~verispec.models.kernel_choice.panel_takes_long_passes`).
+    """
+
+    def __init__(self, source: nn.Module, chunk_long_passes: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = int(source.in_features), int(source.out_features)
         self.is_int8 = is_quantized(source)
@@ -213,6 +220,7 @@ class PanelLinear(nn.Module):
         else:
             raise ValueError(f"PanelLinear takes a float32 nn.Linear or an int8 dynamic linear, got {type(source).__name__}")
         self.kernel_bias = None if bias is None else bias.detach().float().contiguous()
+        self.chunk_long_passes = chunk_long_passes and not self.is_int8
         panel_library()  # build or load now: a failure shows at model preparation, not mid-generation
         self.colsum = None
         if self.is_int8 and int8_uses_vnni():
@@ -224,10 +232,18 @@ class PanelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
         rows = x.numel() // self.in_features
-        if rows == 0 or rows > self.max_kernel_rows or x.dtype != torch.float32 or x.requires_grad:
+        chunked = rows > self.max_kernel_rows and self.chunk_long_passes
+        if rows == 0 or (rows > self.max_kernel_rows and not chunked) or x.dtype != torch.float32 or x.requires_grad:
             return self.source(x) if self.is_int8 else nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(rows, self.out_features)
+        for first in range(0, rows, self.max_kernel_rows):
+            self._kernel(flat[first : first + self.max_kernel_rows], out[first : first + self.max_kernel_rows])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """out # [rows, out_features] = flat # [rows, in_features] (contiguous, rows <= max_kernel_rows) @ weight.T + bias."""
+        rows = flat.shape[0]
         bias = None if self.kernel_bias is None else self.kernel_bias.data_ptr()
         threads, library = torch.get_num_threads(), panel_library()
         if self.is_int8:
@@ -239,7 +255,6 @@ class PanelLinear(nn.Module):
             library.verispec_panel_linear_f32(
                 flat.data_ptr(), rows, self.in_features, self.packed.data_ptr(), self.out_features, bias, out.data_ptr(), threads
             )
-        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         kind = ("int8, 8-bit dot products" if self.colsum is not None else "int8") if self.is_int8 else "float32"
@@ -256,14 +271,14 @@ def panel_or_same(module: nn.Module) -> nn.Module:
     return module
 
 
-def use_panel_kernels(model: nn.Module) -> nn.Module:
+def use_panel_kernels(model: nn.Module, chunk_long_passes: bool = False) -> nn.Module:
     """Replace every float32 ``nn.Linear`` (or oneDNN :class:`PackedLinear`, whose packed copy is
     then released) in ``model`` by :class:`PanelLinear` (in place, a module swap on this instance as
-    torch's own quantisation does; no class is modified). Raises RuntimeError naming the reason if
-    the kernels cannot run here."""
+    torch's own quantisation does; no class is modified). ``chunk_long_passes``: see
+    :class:`PanelLinear`. Raises RuntimeError naming the reason if the kernels cannot run here."""
     reason = panel_kernels_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"panel kernels unavailable: {reason}")
     for parent, name, child in float32_linear_sites(model, (nn.Linear, PackedLinear)):
-        setattr(parent, name, PanelLinear(child))
+        setattr(parent, name, PanelLinear(child, chunk_long_passes))
     return model
