@@ -9,10 +9,9 @@ import torch
 from tiny_models import noisy_copy, tiny_target
 
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
-from verispec.engine.lean_lm import target_lm
+from verispec.engine.lean_lm import _groups, target_lm
 from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.serving import BatchedTarget, BatchGammaPolicy, GenerationRequest, LeanBatchedTarget, Scheduler, SchedulerConfig
-from verispec.serving.lean_batch import _groups
 from verispec.serving.scheduler import batched_target
 
 pytestmark = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
@@ -90,10 +89,10 @@ def test_rows_sharing_passes_compute_exactly_what_they_compute_alone(panel_targe
 
 def test_more_rows_than_one_kernel_call_takes_run_in_several_calls(panel_target, monkeypatch):
     target = LeanBatchedTarget(panel_target)
-    monkeypatch.setattr(target._fused, "max_rows", 4)  # round 2 feeds 5 + 3 + 2 rows: three calls
+    monkeypatch.setattr(target.decoder.fused, "max_rows", 4)  # round 2 feeds 5 + 3 + 2 rows: three calls
     calls = []
-    real = target._fused.__class__.__call__
-    monkeypatch.setattr(target._fused.__class__, "__call__", lambda self, *args: calls.append(args[2]) or real(self, *args))
+    real = target.decoder.fused.__class__.__call__
+    monkeypatch.setattr(target.decoder.fused.__class__, "__call__", lambda self, *args: calls.append(args[2]) or real(self, *args))
     batched = _batched(target, panel_target)
     assert [3, 1] in calls and all(sum(rows) <= 4 for rows in calls)  # (5 and 7 rows: the op-by-op forward, as alone)
     for name in PROMPTS:

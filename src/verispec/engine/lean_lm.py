@@ -177,6 +177,24 @@ class LeanDecoder:
         return [LayerKVCache() for _ in self.layers]
 
     @torch.inference_mode()
+    def forward_many(self, input_ids: list[list[int]], sequences: list[list[LayerKVCache]]) -> list[torch.Tensor]:
+        """Top-layer features # [n_i, hidden] of each sequence's new ids, continuing its caches: as many
+        sequences per fused call as the kernels take rows (batched serving; needs ``self.fused``). A
+        sequence alone in its call runs :meth:`forward`, call for call what a single sequence runs."""
+        lengths = [len(ids) for ids in input_ids]
+        features: list[torch.Tensor] = []
+        for first, last in _groups(lengths, self.fused.max_rows):
+            if last - first == 1:
+                features.append(self.forward(torch.tensor(input_ids[first], dtype=torch.long), sequences[first]))
+                continue
+            starts = [caches[0].length for caches in sequences[first:last]]
+            positions = torch.cat([torch.arange(start, start + count, dtype=torch.float32) for start, count in zip(starts, lengths[first:last])])  # [n]
+            cos, sin = rotary_cos_sin(positions, self.inv_freq)  # each [n, head_dim]
+            embedded = self.embed(torch.tensor([token for ids in input_ids[first:last] for token in ids], dtype=torch.long))  # [n, hidden]
+            features += self.fused(embedded, sequences[first:last], lengths[first:last], cos, sin).split(lengths[first:last])
+        return features
+
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, caches: list[LayerKVCache]) -> torch.Tensor:
         """Top-layer features # [n, hidden] of input_ids # [n] continuing the cached sequence (appended to ``caches``)."""
         num_new, start = len(input_ids), caches[0].length
@@ -196,6 +214,20 @@ class LeanDecoder:
             gate, up = _concatenated(layer.gate_up, F.rms_norm(hidden, shape, layer.post_attention_norm, self.eps)).chunk(2, dim=-1)
             hidden = hidden + layer.down_proj(F.silu(gate) * up)
         return F.rms_norm(hidden, shape, self.norm, self.eps)
+
+
+def _groups(lengths: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges [first, last) of ``lengths`` each summing to at most ``max_rows``
+    (a single longer entry gets a range of its own)."""
+    groups, first, total = [], 0, 0
+    for index, length in enumerate(lengths):
+        if index > first and total + length > max_rows:
+            groups.append((first, index))
+            first, total = index, 0
+        total += length
+    if lengths:
+        groups.append((first, len(lengths)))
+    return groups
 
 
 def _concatenated(products: list[nn.Module], x: torch.Tensor) -> torch.Tensor:  # x: [n, in] -> [n, sum of outs]

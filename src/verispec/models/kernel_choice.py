@@ -53,10 +53,14 @@ class KernelChoice:
     num_weights: int = 0  # body weights swept (the head slice not counted)
     head_rows: int = 0  # rows of the LM head's slice in the sweep (0: none)
     screened_head: bool = False  # the panel side's head slice timed as the greedy screen runs
-    # Products over more rows than one panel call takes (prefill): "panel" in chunks, or "dense"
-    # (torch's product), with the seconds each took over LONG_PASS_ROWS rows (empty: not timed).
-    long_passes: str = "dense"
+    # Products over more rows than one panel call takes (prefill): seconds over LONG_PASS_ROWS rows
+    # for "panel" (in chunks) and "dense" (torch's product); empty: not timed.
     long_pass_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def long_passes(self) -> str:
+        """How products over more rows than one panel call takes run: the faster timed, else "dense"."""
+        return min(self.long_pass_seconds, key=self.long_pass_seconds.get) if self.long_pass_seconds else "dense"
 
     def summary(self) -> str:
         if not self.seconds:
@@ -166,7 +170,6 @@ def fastest_target_kernels(model: nn.Module, min_bytes: int = SWEEP_BYTES, repea
     choice = KernelChoice(name, seconds, len(weights), head.out_features if head is not None else 0, screened)
     if name == "panel":
         choice.long_pass_seconds = time_long_passes(weights[:LONG_PASS_WEIGHTS], repeats)
-        choice.long_passes = min(choice.long_pass_seconds, key=choice.long_pass_seconds.get)
     return choice
 
 

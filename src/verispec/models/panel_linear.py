@@ -197,9 +197,9 @@ class PanelLinear(nn.Module):
 
     ``chunk_long_passes``: float32 products over more rows than one kernel call takes (a prompt's
     prefill) run the kernels on ``max_kernel_rows`` rows at a time instead of going to the source
-    layer: on a 2-core AMD EPYC (Zen 4) a 143-token prefill of the 1.5B target took 2.1 s so against
+    layer: on a 2-core AMD EPYC (Zen 4) a 143-token prefill of the 1.5B target took 2.1 s this way against
     3.1-3.7 s through torch's dense product. Whether it pays depends on the CPU's BLAS, so
-    ``--target-kernels auto`` times it (:func:`~verispec.models.kernel_choice.panel_takes_long_passes`).
+    ``--target-kernels auto`` times it (:func:`~verispec.models.kernel_choice.time_long_passes`).
     """
 
     def __init__(self, source: nn.Module, chunk_long_passes: bool = False) -> None:

@@ -25,7 +25,6 @@ from torch import nn
 from verispec.engine.cached_lm import ForwardOutput
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.engine.lean_lm import LeanDecoder, target_lm, target_runs_lean
-from verispec.models.rotary import rotary_cos_sin
 from verispec.serving.batch_cache import check_feeds, check_kept, head_outputs
 
 
@@ -52,7 +51,6 @@ class LeanBatchedTarget:
             raise ValueError(f"lean batched serving cannot run this model: {reason}")
         self.model = model
         self.decoder = LeanDecoder.shared(model)
-        self._fused = self.decoder.fused
         # The LM head (and its int8 argmax screen for greedy passes), as the engine computes it.
         self._head = target_lm(model, screen_lm_head=screen_lm_head)
         self.device = self._head.device
@@ -100,23 +98,9 @@ class LeanBatchedTarget:
         """
         check_feeds(new_ids, num_logits, self.rows)
         self._check_committed()
-        lengths = [len(ids) for ids in new_ids]
-        features: list[torch.Tensor] = []  # each [len_i, hidden]
-        # As many rows per call as the kernels take; more (a big batch of long drafts) in several calls.
-        for first, last in _groups(lengths, self._fused.max_rows):
-            features += self._pass(new_ids[first:last], self._caches[first:last])
-        self._fed = lengths
+        features = self.decoder.forward_many(new_ids, self._caches)  # each [len_i, hidden]
+        self._fed = [len(ids) for ids in new_ids]
         return head_outputs(self._head, features, num_logits, argmax_only)
-
-    def _pass(self, new_ids: list[list[int]], sequences: list[list[LayerKVCache]]) -> list[torch.Tensor]:
-        """One fused call extending ``sequences``; each sequence's features # [len_i, hidden]."""
-        if len(sequences) == 1:  # a lone request: the engine's own forward, call for call
-            return [self.decoder.forward(torch.tensor(new_ids[0], dtype=torch.long), sequences[0])]
-        positions = torch.cat([torch.arange(caches[0].length, caches[0].length + len(ids)) for ids, caches in zip(new_ids, sequences)])  # [n]
-        cos, sin = rotary_cos_sin(positions.float(), self.decoder.inv_freq)  # each [n, head_dim]
-        hidden = self.decoder.embed(torch.tensor([token for ids in new_ids for token in ids], dtype=torch.long))  # [n, hidden]
-        out = self._fused(hidden, sequences, [len(ids) for ids in new_ids], cos, sin)  # [n, hidden]
-        return list(out.split([len(ids) for ids in new_ids]))
 
     def commit(self, kept: list[int]) -> None:
         """Row ``i`` keeps the first ``kept[i]`` tokens it was fed by the last :meth:`extend`."""
@@ -130,16 +114,3 @@ class LeanBatchedTarget:
         if self._fed is not None:
             raise RuntimeError("the last extend() has not been committed")
 
-
-def _groups(lengths: list[int], max_rows: int) -> list[tuple[int, int]]:
-    """Consecutive index ranges [first, last) of ``lengths`` each summing to at most ``max_rows``
-    (a single longer entry gets a range of its own)."""
-    groups, first, total = [], 0, 0
-    for index, length in enumerate(lengths):
-        if index > first and total + length > max_rows:
-            groups.append((first, index))
-            first, total = index, 0
-        total += length
-    if lengths:
-        groups.append((first, len(lengths)))
-    return groups
