@@ -45,6 +45,7 @@ class StepCosts:
     _draft_moments: list[float] | None = field(default=None, init=False, repr=False)
     _rounds: int = field(default=0, init=False, repr=False)
     _last_seen: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # rows -> round of its last pass
+    _passes: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # rows -> passes timed (absent: given, trusted)
 
     def observe(self, rows: int, verify_s: float, draft_s: float, drafted: int) -> None:
         """One round: a target pass over ``rows`` tokens; ``drafted`` tokens drafted in ``draft_s``
@@ -54,7 +55,12 @@ class StepCosts:
         # (or new) takes this pass's time outright. A stored spike is cut to the split bound first.
         staleness = min(1.0, self._age(rows) / self.stale_rounds)
         previous = min(self.verify_s.get(rows, verify_s), self._split_bound(rows))
-        self.verify_s[rows] = _mix(previous, verify_s, max(self.smoothing, staleness))
+        passes = 0 if rows not in self.verify_s else self._passes.get(rows, 2)  # (a count given to the constructor: trusted)
+        if passes == 1:  # the second pass confirms or corrects the first: first passes are often warm-up spikes
+            self.verify_s[rows] = min(previous, verify_s)
+        else:
+            self.verify_s[rows] = _mix(previous, verify_s, max(self.smoothing, staleness))
+        self._passes[rows] = passes + 1
         self._last_seen[rows] = self._rounds
         if drafted > 0:
             self._fit_draft(drafted, draft_s)
@@ -107,12 +113,19 @@ class StepCosts:
         return self._rounds - self._last_seen.get(rows, 0)  # (a count given to the constructor: seen at round 0)
 
     def _current(self, rows: int) -> float:
-        """A measured count's cost, slid toward the next smaller measured count's as it goes stale."""
+        """A measured count's cost, slid toward the next smaller measured count's as it goes stale.
+
+        A count passed only once is priced as if fully stale: one slow first pass (a warm-up page
+        fault, measured here at 2-3x the steady cost) would otherwise hold the controller below that
+        count for dozens of rounds (seen: the first prompt of a benchmark drafting one token a round
+        for 23 rounds). Priced optimistically, it is chosen again, and its second pass decides.
+        """
         smaller = [count for count in self.verify_s if count < rows]
         if not smaller:
             return self.verify_s[rows]
         optimistic = min(self.verify_s[max(smaller)], self.verify_s[rows])
-        staleness = min(1.0, self._age(rows) / self.stale_rounds)
+        unconfirmed = self._passes.get(rows, 2) < 2
+        staleness = 1.0 if unconfirmed else min(1.0, self._age(rows) / self.stale_rounds)
         return self.verify_s[rows] + staleness * (optimistic - self.verify_s[rows])
 
     def _split_bound(self, rows: int) -> float:
