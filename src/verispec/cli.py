@@ -188,6 +188,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_parallel_parser(commands)
     add_attack_parser(commands, _add_sampling_options, _add_kernel_options)
+    from verispec.replay_cli import add_replay_parser
+
+    add_replay_parser(commands, _add_kernel_options)
 
     costs = commands.add_parser("costs", help="forward-pass cost by number of new tokens, per kernel setting (what decides gamma here)")
     costs.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
