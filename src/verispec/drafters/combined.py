@@ -17,7 +17,8 @@ from verispec.sampling import SamplingParams
 # What `generate` and `compare` run by default (README, Performance, 2026-12-01): adaptive gamma up
 # to this many drafts a round (lookup rounds copy up to all of them), the draft model stopping a
 # round once its path probability falls below this. Chosen by replaying the target's greedy answers
-# to HumanEval problems 8-31 (not the 8 the benchmark runs) under measured costs: a draft costs
+# to HumanEval problems 8-31 (not the 8 the benchmark runs) under measured costs (`verispec replay`
+# reruns it; README, Performance, 2026-12-02 (later)): a draft costs
 # ~24 ms and a verified row ~9 ms against ~75 ms a token, so a draft with less than about even odds
 # of being reached and accepted costs more than it returns. Measured against gamma <= 10 without
 # the stop, side by side: 2-3% more tokens/s on HumanEval, 7% on Spec-Bench.
