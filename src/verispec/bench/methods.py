@@ -272,7 +272,7 @@ def build_method(
         raise ValueError(f"method {name!r} needs a draft model")
     if spec.family == "hf":
         return _build_hf(name, target, draft)
-    from verispec.drafters import LookupRule, NgramDrafter, lookup_then_model
+    from verispec.drafters import lookup_then_model
     from verispec.drafters.draft_model import DraftModelSettings
     from verispec.engine import SpeculativeDecoder
 
@@ -307,8 +307,16 @@ def build_method(
     elif name.startswith("ngram+"):
         drafter = lookup_then_model(settings.build(draft, name=draft.name))
     else:
-        drafter = NgramDrafter(LookupRule()) if variant.tune == 0 else NgramDrafter()
+        drafter = lookup_drafter(variant.tune)
     return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, **adaptive))
+
+
+def lookup_drafter(tune: int | None) -> Any:
+    """The ``ngram`` methods' drafter: the self-tuning prompt lookup, or with ``tune`` 0 its
+    latest-match rule alone (a ``NgramDrafter``)."""
+    from verispec.drafters import LookupRule, NgramDrafter
+
+    return NgramDrafter(LookupRule()) if tune == 0 else NgramDrafter()
 
 
 def _build_hf(name: str, target: Any, draft: Any | None) -> HFMethod:

@@ -13,8 +13,9 @@ fed modelled costs instead of clock readings. Rounds are then exact for lookup a
 continuation's end (path stops at or above the floor, gamma within it), for the draft model; what
 is not exact is time: the costs are a model (one pass cost per row count, one draft step cost), so
 the replay ranks settings and `verispec bench` measures them. The modelled speed-up is plain
-decoding's time (one 1-row pass per token) over the rounds' draft and verification costs; prefill is
-left out (it is the same for every setting).
+decoding's time (one 1-row pass per token) over the rounds' draft and verification costs; the
+target's prefill is left out (the same for every setting), and so is the draft model's (the same for
+every setting that uses it; lookup alone does not pay it, ~0.3 s a prompt here).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from typing import Any
 
 import torch
 
-from verispec.bench.methods import parse_variant
+from verispec.bench.methods import lookup_drafter, parse_variant
 from verispec.drafters.base import DraftContext, Proposal
-from verispec.drafters.combined import CombinedDrafter
-from verispec.drafters.ngram import LookupRule, NgramDrafter
+from verispec.drafters.combined import lookup_then_model
 from verispec.engine.gamma import AdaptiveGamma, StepCosts
 from verispec.sampling import SamplingParams
 
@@ -108,7 +108,7 @@ class ReplayResult:
 
 
 class _TraceSession:
-    """The draft model's rounds as recorded: its greedy tokens while they agree with the answer."""
+    """A draft model's session played back from a trace, with its stop rules (as :class:`DraftModel`'s)."""
 
     def __init__(self, trace: DraftTrace, path_confidence: float | None, confidence_threshold: float | None) -> None:
         self.trace, self.path_confidence, self.confidence_threshold = trace, path_confidence, confidence_threshold
@@ -145,14 +145,16 @@ class _TraceSession:
 
 
 class _TraceDrafter:
+    """The drafter protocol around one trace's session (what the lookup combination takes)."""
+
     needs_target_features = False
     name = "draft-model"
 
-    def __init__(self, trace: DraftTrace, path_confidence: float | None, confidence_threshold: float | None) -> None:
-        self.trace, self.path_confidence, self.confidence_threshold = trace, path_confidence, confidence_threshold
+    def __init__(self, session: _TraceSession) -> None:
+        self.session = session
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> _TraceSession:
-        return _TraceSession(self.trace, self.path_confidence, self.confidence_threshold)
+        return self.session
 
 
 def replay(trace: DraftTrace, setting: str, costs: ReplayCosts, gamma: int = 6, shared_costs: StepCosts | None = None) -> ReplayResult:
@@ -164,11 +166,11 @@ def replay(trace: DraftTrace, setting: str, costs: ReplayCosts, gamma: int = 6, 
     if variant.base not in REPLAY_BASES:
         raise ValueError(f"replay settings take {', '.join(REPLAY_BASES)}, got {setting!r}")
     gamma = variant.gamma or gamma
-    model = _TraceDrafter(trace, variant.path or None, variant.confidence or None)
+    model = _TraceDrafter(_TraceSession(trace, variant.path or None, variant.confidence or None))
     if variant.base.startswith("ngram+"):
-        drafter = CombinedDrafter(NgramDrafter(LookupRule(min_ngram=2, match_drafts=())), model)
+        drafter = lookup_then_model(model)  # the engine's combination, as the bench builds it
     elif variant.base.startswith("ngram"):
-        drafter = NgramDrafter(LookupRule()) if variant.tune == 0 else NgramDrafter()
+        drafter = lookup_drafter(variant.tune)
     else:
         drafter = model
     controller = AdaptiveGamma(max_gamma=gamma, costs=shared_costs or StepCosts()) if variant.base.endswith("-adaptive") else None
