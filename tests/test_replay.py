@@ -105,6 +105,8 @@ def test_cli_records_traces_once_and_replays_settings(tmp_path, capsys, monkeypa
     assert "draft-model:gamma=3" in out and "ngram+draft-adaptive:gamma=4" in out
     result = json.loads((tmp_path / "out" / "replay.json").read_text())
     assert result["prompts"] == ["HumanEval/1", "HumanEval/2"] and len(result["rows"]) == 4
+    assert list(result["by_category"]) == ["humaneval"] and {row["category"] for row in result["rows"]} == {"humaneval"}
+    assert [s["setting"] for s in result["by_category"]["humaneval"]] == ["draft-model:gamma=3", "ngram+draft-adaptive:gamma=4"]
     assert json.loads((tmp_path / "out" / "traces.json").read_text())["max_new_tokens"] == 6
     # A second run reuses the traces: no model is loaded.
     import verispec.models

@@ -134,9 +134,18 @@ def _replay(args: argparse.Namespace) -> int:
     print(f"{'setting':<{width}}  modelled decode speed-up median (mean)  tau   alpha")
     for s in summaries:
         print(f"{s.setting:<{width}}  {s.median_speedup:.3f}x ({s.mean_speedup:.3f}x){'':16}  {s.tokens_per_call:.2f}  {s.acceptance_rate:.3f}")
+    category = {prompt.id: prompt.category for prompt in prompts}
+    by_category = {name: summarize_replays([r for r in results if category[r.prompt_id] == name], settings) for name in dict.fromkeys(category.values())}
+    if len(by_category) > 1:
+        print(f"\nmodelled decode speed-up by category, median (tau):\n{'category':<22}" + "".join(f"  setting {i + 1:<10}" for i in range(len(settings))))
+        for name, rows in by_category.items():
+            print(f"{name:<22}" + "".join(f"  {s.median_speedup:6.3f}x ({s.tokens_per_call:4.2f})" for s in rows))
+        print("settings: " + "; ".join(f"{i + 1} = {setting}" for i, setting in enumerate(settings)))
     (args.out / "replay.json").write_text(json.dumps({
         **key, "prompts": [p.id for p in prompts], "verify_ms": {r: s * 1e3 for r, s in verify_s.items()}, "draft_ms": draft_step_s * 1e3,
-        "summaries": [vars(s) for s in summaries], "rows": [vars(r) | {"speedup": r.speedup} for r in results],
+        "summaries": [vars(s) for s in summaries],
+        "by_category": {name: [vars(s) for s in rows] for name, rows in by_category.items()},
+        "rows": [vars(r) | {"speedup": r.speedup, "category": category[r.prompt_id]} for r in results],
     }, indent=1))  # fmt: skip
     print(f"results: {args.out / 'replay.json'}; traces: {traces_path}", file=sys.stderr)
     return 0
