@@ -9,6 +9,8 @@ import torch
 from tiny_models import noisy_copy, tiny_target
 
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
+from verispec.drafters.base import DraftContext, propose_batch
+from verispec.drafters.combined import lookup_then_model
 from verispec.engine.lean_lm import _groups, target_lm
 from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.serving import BatchedTarget, BatchGammaPolicy, GenerationRequest, LeanBatchedTarget, Scheduler, SchedulerConfig
@@ -134,6 +136,9 @@ def test_the_scheduler_serves_a_panel_target_through_lean_batching_and_matches_t
     scheduler = Scheduler(panel_target, drafter, None, config)
     assert isinstance(scheduler.target, LeanBatchedTarget)
     sinks = [queue.Queue() for _ in prompts]
+    joint = []  # the draft's passes over several requests at once (the requests draft together)
+    forward_many = drafter.lean_decoder.forward_many
+    drafter.lean_decoder.forward_many = lambda ids, caches: joint.append(len(ids)) or forward_many(ids, caches)
     try:
         for prompt, sink in zip(prompts, sinks):
             scheduler.submit(GenerationRequest(prompt, 20, SamplingParams(), [], sink.put))
@@ -146,4 +151,59 @@ def test_the_scheduler_serves_a_panel_target_through_lean_batching_and_matches_t
             got.append(tokens)
     finally:
         scheduler.stop()
+        del drafter.lean_decoder.forward_many
     assert got == expected
+    assert joint and max(joint) > 1
+
+
+def _sessions(drafter, prompts, sampling):
+    sessions = [drafter.start(prompt, sampling) for prompt in prompts]
+    return sessions, [DraftContext(list(prompt)) for prompt in prompts]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
+def test_draft_sessions_drafting_together_propose_what_each_proposes_alone(sampling):
+    model = noisy_copy(tiny_target(), noise=0.3)
+    prompts = [list(range(3, 12)), [5, 6], list(range(20, 45)), [9, 9, 9, 9]]
+    budgets = [4, 1, 6, 3]
+    alone_drafter, together_drafter = DraftModel(model, path_confidence=0.2), DraftModel(model, path_confidence=0.2)
+    assert together_drafter.lean_decoder.fused is not None
+    sessions, contexts = _sessions(alone_drafter, prompts, sampling)
+    alone = [s.propose(c, b, torch.Generator().manual_seed(i)) for i, (s, c, b) in enumerate(zip(sessions, contexts, budgets))]
+    sessions, contexts = _sessions(together_drafter, prompts, sampling)
+    passes = []
+    forward_many = together_drafter.lean_decoder.forward_many
+    together_drafter.lean_decoder.forward_many = lambda ids, caches: passes.append(len(ids)) or forward_many(ids, caches)
+    together = propose_batch(sessions, contexts, budgets, [torch.Generator().manual_seed(i) for i in range(4)])
+    for one, joint in zip(alone, together):
+        assert one.tokens == joint.tokens and one.num_forward_passes == joint.num_forward_passes
+        if sampling.is_greedy:
+            assert joint.probs is None
+        else:
+            _same(joint.probs, one.probs)
+    assert passes[0] == 4 and len(passes) == max(len(p.tokens) for p in together)  # one pass a step for all still drafting
+    assert any(len(p.tokens) < b for p, b in zip(together, budgets)) or not sampling.is_greedy  # (the path stop ended some early)
+    # A round later: each session rolls back its rejected drafts and catches up on its own committed
+    # tokens, drafting what a fresh session given the same text drafts (a session asked for none: nothing).
+    contexts = [DraftContext(list(prompt) + p.tokens[:1] + [2]) for prompt, p in zip(prompts, together)]
+    again = propose_batch(sessions, contexts, [2, 2, 0, 2], [torch.Generator().manual_seed(9) for _ in range(4)])
+    fresh, _ = _sessions(alone_drafter, prompts, sampling)
+    want = [s.propose(c, 2, torch.Generator().manual_seed(9)).tokens if i != 2 else [] for i, (s, c) in enumerate(zip(fresh, contexts))]
+    assert [p.tokens for p in again] == want
+
+
+def test_lookup_first_then_the_draft_models_together():
+    model = noisy_copy(tiny_target(), noise=0.3)
+    drafter = lookup_then_model(DraftModel(model))
+    prompts = [[5, 6, 7, 8, 5, 6], [3, 4, 10, 11], [1, 2, 3, 9]]  # the first repeats "5 6": lookup drafts 7 8 ...
+    sessions, contexts = _sessions(drafter, prompts, SamplingParams())
+    passes = []
+    decoder = drafter.fallback.lean_decoder
+    forward_many = decoder.forward_many
+    decoder.forward_many = lambda ids, caches: passes.append(len(ids)) or forward_many(ids, caches)
+    together = propose_batch(sessions, contexts, [3, 3, 3], [torch.Generator()] * 3)
+    alone_sessions, _ = _sessions(lookup_then_model(DraftModel(model)), prompts, SamplingParams())
+    alone = [s.propose(c, 3, torch.Generator()) for s, c in zip(alone_sessions, contexts)]
+    assert [p.tokens for p in together] == [p.tokens for p in alone]
+    assert together[0].tokens[:2] == [7, 8] and together[0].num_forward_passes == 0  # lookup: no model pass
+    assert passes and passes[0] == 2  # the two others drafted with the model, together

@@ -77,3 +77,24 @@ class Drafter(Protocol):
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> DraftSession:
         ...
+
+
+def propose_batch(sessions: list[DraftSession], contexts: list[DraftContext], max_tokens: list[int], generators: list[torch.Generator]) -> list[Proposal]:
+    """One proposal per session (batched serving). Sessions of a class with a static
+    ``propose_many(sessions, contexts, max_tokens, generators)`` draft together (a draft model's
+    sessions: one pass per step for all of them); the others, and sessions asked for no drafts, alone."""
+    proposals: list[Proposal | None] = [None] * len(sessions)
+    together: dict[object, list[int]] = {}
+    for index, session in enumerate(sessions):
+        many = getattr(type(session), "propose_many", None)
+        if max_tokens[index] <= 0:
+            proposals[index] = Proposal([], None)
+        elif many is None:
+            proposals[index] = session.propose(contexts[index], max_tokens[index], generators[index])
+        else:
+            together.setdefault(many, []).append(index)
+    for many, indices in together.items():
+        batch = many([sessions[i] for i in indices], [contexts[i] for i in indices], [max_tokens[i] for i in indices], [generators[i] for i in indices])
+        for index, proposal in zip(indices, batch):
+            proposals[index] = proposal
+    return proposals  # type: ignore[return-value]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal
+from verispec.drafters.base import DraftContext, Drafter, DraftSession, Proposal, propose_batch
 from verispec.drafters.ngram import LookupRule, NgramDrafter
 from verispec.sampling import SamplingParams
 
@@ -59,6 +59,21 @@ class CombinedSession:
         if proposal.tokens:
             return proposal
         return self.fallback.propose(context, max_tokens, generator)
+
+    @staticmethod
+    def propose_many(
+        sessions: list["CombinedSession"], contexts: list[DraftContext], max_tokens: list[int], generators: list[torch.Generator]
+    ) -> list[Proposal]:
+        """:meth:`propose` for several sessions: each tries its primary; the fallbacks of those that
+        got nothing draft together where they can (:func:`~verispec.drafters.base.propose_batch`)."""
+        proposals = [s.primary.propose(c, m, g) for s, c, m, g in zip(sessions, contexts, max_tokens, generators)]
+        empty = [index for index, proposal in enumerate(proposals) if not proposal.tokens]
+        fallbacks = propose_batch(
+            [sessions[i].fallback for i in empty], [contexts[i] for i in empty], [max_tokens[i] for i in empty], [generators[i] for i in empty]
+        )
+        for index, proposal in zip(empty, fallbacks):
+            proposals[index] = proposal
+        return proposals
 
     def close(self) -> None:
         try:

@@ -10,7 +10,7 @@ import torch
 from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.draft_vocab import full_vocab_probs, leading_token_ids, reduced_lm_head
 from verispec.engine.cached_lm import CachedLM
-from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_unsupported_reason
+from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_unsupported_reason, next_logits_many
 from verispec.modelref import unwrap_model
 from verispec.models.panel_linear import panel_or_same
 from verispec.models.quantize import is_quantized
@@ -133,32 +133,59 @@ class DraftModelSession:
         self.vocab_size = vocab_size
 
     def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
+        return DraftModelSession.propose_many([self], [context], [max_tokens], [generator])[0]
+
+    @staticmethod
+    def propose_many(
+        sessions: list["DraftModelSession"], contexts: list[DraftContext], max_tokens: list[int], generators: list[torch.Generator]
+    ) -> list[Proposal]:
+        """One proposal per session, drafted in lockstep: each step feeds every session still drafting
+        in one pass where their LMs share a fused lean decoder (:func:`next_logits_many`; batched
+        serving), else one pass each. Each session keeps its own stop rules, sampling and generator,
+        so its proposal is the one :meth:`propose` alone makes."""
         # Rollback and catch-up in one step: drop rejected drafts, feed what the target committed.
-        pending = self.lm.sync(context.token_ids)
-        tokens: list[int] = []
-        step_probs: list[torch.Tensor] = []
-        path_prob = 1.0  # the draft's probability of this round's tokens so far
-        stop_rules = self.confidence_threshold is not None or self.path_confidence is not None
-        while len(tokens) < max_tokens:
-            logits = self.lm.extend(pending, num_logits=1).logits[0]  # [draft_vocab]
-            if self.sampling.is_greedy:
-                index = int(logits.argmax())
-                token_prob = float(torch.softmax(logits, -1)[index]) if stop_rules else 1.0
-            else:
-                probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
-                index = int(sample_from(probs, generator))
-                step_probs.append(full_vocab_probs(probs, self.vocab_ids, self.vocab_size))
-                token_prob = float(probs[index])
-            token = index if self.vocab_ids is None else int(self.vocab_ids[index])
-            tokens.append(token)
-            pending = [token]
-            path_prob *= token_prob
-            if self.confidence_threshold is not None and token_prob < self.confidence_threshold:
-                break
-            if self.path_confidence is not None and path_prob < self.path_confidence:
-                break
-        probs = torch.stack(step_probs) if step_probs else None
-        return Proposal(tokens=tokens, probs=probs, num_forward_passes=len(tokens))
+        pending = [session.lm.sync(context.token_ids) for session, context in zip(sessions, contexts)]
+        tokens: list[list[int]] = [[] for _ in sessions]
+        step_probs: list[list[torch.Tensor]] = [[] for _ in sessions]
+        path_probs = [1.0] * len(sessions)  # each draft's probability of its round's tokens so far
+        drafting = [index for index, count in enumerate(max_tokens) if count > 0]
+        while drafting:
+            logits = next_logits_many([sessions[i].lm for i in drafting], [pending[i] for i in drafting])  # each [draft_vocab]
+            still = []
+            for index, row in zip(drafting, logits):
+                session = sessions[index]
+                token, token_prob, probs = session._pick(row, generators[index])
+                tokens[index].append(token)
+                if probs is not None:
+                    step_probs[index].append(probs)
+                pending[index] = [token]
+                path_probs[index] *= token_prob
+                if len(tokens[index]) < max_tokens[index] and not session._stops(token_prob, path_probs[index]):
+                    still.append(index)
+            drafting = still
+        return [
+            Proposal(tokens=drafted, probs=torch.stack(probs) if probs else None, num_forward_passes=len(drafted))
+            for drafted, probs in zip(tokens, step_probs)
+        ]
+
+    def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float, torch.Tensor | None]:
+        """The draft token from one step's logits # [draft_vocab], its probability (1.0 when greedy
+        without stop rules: not needed) and, when sampling, q_draft over the full vocabulary."""
+        if self.sampling.is_greedy:
+            index = int(logits.argmax())
+            stop_rules = self.confidence_threshold is not None or self.path_confidence is not None
+            token_prob, full = (float(torch.softmax(logits, -1)[index]) if stop_rules else 1.0), None
+        else:
+            probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
+            index = int(sample_from(probs, generator))
+            token_prob, full = float(probs[index]), full_vocab_probs(probs, self.vocab_ids, self.vocab_size)
+        return (index if self.vocab_ids is None else int(self.vocab_ids[index])), token_prob, full
+
+    def _stops(self, token_prob: float, path_prob: float) -> bool:
+        """Whether the round ends after a token of this probability (``path_prob``: the round's so far)."""
+        if self.confidence_threshold is not None and token_prob < self.confidence_threshold:
+            return True
+        return self.path_confidence is not None and path_prob < self.path_confidence
 
     def close(self) -> None:
         self.lm.release()

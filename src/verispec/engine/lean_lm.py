@@ -321,3 +321,25 @@ class LeanLM(CachedLM):
     def _drop_cached(self, num_tokens: int) -> None:
         for layer_cache in self.cache:
             layer_cache.crop(layer_cache.length - num_tokens)
+
+
+@torch.inference_mode()
+def next_logits_many(lms: list[CachedLM], new_ids: list[list[int]]) -> list[torch.Tensor]:
+    """Each LM's next-token logits # [vocab] after appending its ``new_ids``: several sequences in one
+    call of the fused stack where they are :class:`LeanLM` s on one fused decoder (one product over all
+    their rows per weight, instead of one pass over the weights each), with one LM-head product when
+    they share the head; otherwise one :meth:`~CachedLM.extend` each. Every row is computed as it is
+    alone (the kernels' sums do not depend on the rows beside them), so the logits are the same."""
+    first = lms[0]
+    decoder = getattr(first, "decoder", None)
+    if len(lms) == 1 or decoder is None or decoder.fused is None or any(getattr(lm, "decoder", None) is not decoder for lm in lms):
+        return [lm.extend(ids, num_logits=1).logits[0] for lm, ids in zip(lms, new_ids)]
+    if any(not ids for ids in new_ids):
+        raise ValueError("next_logits_many needs at least one new token per sequence")
+    features = decoder.forward_many(new_ids, [lm.cache for lm in lms])
+    for lm, ids in zip(lms, new_ids):
+        lm.token_ids.extend(ids)
+    last = torch.stack([rows[-1] for rows in features])  # [n, hidden]
+    if all(lm.lm_head is first.lm_head for lm in lms):
+        return list(first.logits(last))
+    return [lm.logits(row[None])[0] for lm, row in zip(lms, last)]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters.base import Drafter, DraftSession, Proposal
+from verispec.drafters.base import Drafter, DraftSession, Proposal, propose_batch
 from verispec.engine.decoder import StepResult, checked_proposal, draft_context, validate_prompt, verify_drafts
 from verispec.engine.gamma import AdaptiveGamma, StepCosts
 from verispec.engine.monitor import AcceptanceMonitor, MonitorConfig
@@ -253,14 +253,7 @@ class Scheduler:
         gamma = self.config.gamma_policy.gamma_for(len(rows), self.config.gamma) if self.drafter is not None else 0
         self.metrics.gamma.set(gamma)
         failed: set[int] = set()
-        proposals = []
-        for index, row in enumerate(rows):
-            try:
-                proposals.append(self._propose(row, gamma))
-            except Exception as error:  # noqa: BLE001 - a drafter error fails its request only
-                failed.add(index)
-                proposals.append(_NO_DRAFT)
-                self._fail(row.request, error)
+        proposals = self._propose_all(rows, gamma, failed)
         feeds = [[row.tokens[-1]] + proposal.tokens for row, proposal in zip(rows, proposals)]
         try:
             pass_started = time.perf_counter()
@@ -293,7 +286,45 @@ class Scheduler:
         self.metrics.target_calls.inc()
         self._leave([rows[index] for index in sorted(finished)])
 
-    def _propose(self, row: _Row, gamma: int) -> Proposal:
+    def _propose_all(self, rows: list[_Row], gamma: int, failed: set[int]) -> list[Proposal]:
+        """Every row's drafts for this round: drafted together where the drafter can (a draft model's
+        sessions take one pass per step for all rows, :func:`~verispec.drafters.base.propose_batch`).
+        A drafter error fails its request only: if the joint call fails, each row drafts alone."""
+        budgets = [self._draft_budget(row, gamma) for row in rows]
+        drafting = [index for index, budget in enumerate(budgets) if budget > 0]
+        proposals = [_NO_DRAFT] * len(rows)
+        if not drafting:
+            return proposals
+        contexts = {index: draft_context(rows[index].tokens, rows[index].unseen_features, len(rows[index].tokens) - 1) for index in drafting}
+        started = time.perf_counter()
+        try:
+            drafted = propose_batch([rows[i].session for i in drafting], [contexts[i] for i in drafting], [budgets[i] for i in drafting], [rows[i].generator for i in drafting])
+            elapsed = time.perf_counter() - started  # every row waited for the joint drafting
+            timed = [(index, proposal, elapsed) for index, proposal in zip(drafting, drafted)]
+        except Exception:  # noqa: BLE001 - find the row whose drafter fails; the others draft alone
+            timed = []
+            for index in drafting:
+                started = time.perf_counter()
+                try:
+                    proposal = rows[index].session.propose(contexts[index], budgets[index], rows[index].generator)
+                except Exception as error:  # noqa: BLE001 - a drafter error fails its request only
+                    failed.add(index)
+                    self._fail(rows[index].request, error)
+                    continue
+                timed.append((index, proposal, time.perf_counter() - started))
+        for index, proposal, elapsed in timed:
+            row = rows[index]
+            row.round_draft_s = elapsed
+            row.stats.draft_s += elapsed
+            try:
+                proposals[index] = checked_proposal(proposal, budgets[index], self.target.vocab_size, self.drafter.name)
+            except Exception as error:  # noqa: BLE001 - a malformed proposal fails its request only
+                failed.add(index)
+                self._fail(row.request, error)
+        return proposals
+
+    def _draft_budget(self, row: _Row, gamma: int) -> int:
+        """How many tokens ``row`` drafts this round (0: none)."""
         # A seeded request keeps the full gamma: its random stream (one uniform per draft) and so its
         # text then depend on its prompt and seed only, never on the traffic it shares rounds with.
         wanted = self.config.gamma if row.request.sampling.seed is not None and self.drafter is not None else gamma
@@ -301,14 +332,7 @@ class Scheduler:
         if row.round_controlled:  # the batch allows speculation; does this request's text pay for it?
             wanted = min(wanted, row.controller.choose())
         num_draft = min(wanted, row.request.max_tokens - row.stats.new_tokens - 1)  # never draft what we could not emit
-        if row.session is None or num_draft <= 0:
-            return _NO_DRAFT
-        context = draft_context(row.tokens, row.unseen_features, len(row.tokens) - 1)
-        started = time.perf_counter()
-        proposal = row.session.propose(context, num_draft, row.generator)
-        row.round_draft_s = time.perf_counter() - started
-        row.stats.draft_s += row.round_draft_s
-        return checked_proposal(proposal, num_draft, self.target.vocab_size, self.drafter.name)
+        return 0 if row.session is None else max(num_draft, 0)
 
     def _accept(self, row: _Row, proposal: Proposal, logits: torch.Tensor, features: torch.Tensor, pass_s: float) -> tuple[int, bool]:
         """Verify one row's drafts; emit its tokens. Returns (num_accepted, finished)."""
