@@ -83,7 +83,7 @@ def _replay(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from verispec.bench.methods import parse_methods
+    from verispec.bench.methods import parse_methods, parse_variant
     from verispec.bench.replay import REPLAY_BASES, TRACE_FORMAT, DraftTrace, ReplayCosts, record_trace, replay, summarize_replays
     from verispec.bench.runner import conversation_ids
     from verispec.cli import _prepare_models, draft_model_settings
@@ -93,8 +93,9 @@ def _replay(args: argparse.Namespace) -> int:
     from verispec.models import load_model
 
     settings = parse_methods(args.settings)
-    for setting in settings:
-        replay_setting_check(setting, REPLAY_BASES)
+    for setting in settings:  # before any model loads (replay() checks the same when it runs)
+        if parse_variant(setting).base not in REPLAY_BASES:
+            raise ValueError(f"--settings: {setting!r}: replay takes {', '.join(REPLAY_BASES)}")
     verify_given = parse_verify_ms(args.verify_ms) if args.verify_ms else None
     if args.draft_ms is not None and args.draft_ms < 0:
         raise ValueError(f"--draft-ms must be >= 0, got {args.draft_ms}")
@@ -149,13 +150,6 @@ def _replay(args: argparse.Namespace) -> int:
     }, indent=1))  # fmt: skip
     print(f"results: {args.out / 'replay.json'}; traces: {traces_path}", file=sys.stderr)
     return 0
-
-
-def replay_setting_check(setting: str, bases: tuple[str, ...]) -> None:
-    from verispec.bench.methods import parse_variant
-
-    if parse_variant(setting).base not in bases:
-        raise ValueError(f"--settings: {setting!r}: replay takes {', '.join(bases)}")
 
 
 def _measured_costs(target, draft, verify_given, draft_ms):  # noqa: ANN001, ANN202 - LoadedModels -> (rows -> s, s)
