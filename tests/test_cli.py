@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny_models import write_tiny_qwen2_gguf
 from verispec.cli import main
@@ -163,6 +164,30 @@ def test_greedy_lm_head_option_reaches_every_decoder_and_keeps_the_text(tiny_ggu
     with pytest.raises(SystemExit):
         main([*common, "--greedy-lm-head", "int8"])
     assert "--greedy-lm-head" in capsys.readouterr().err
+
+
+def test_target_dtype_serves_the_target_in_that_precision_with_the_same_text_either_way(tiny_gguf, capsys):
+    from verispec.cli import _build_parser, target_dtype
+    from verispec.models.panel_linear import bf16_kernels_available
+
+    for command in ("generate", "compare", "bench", "serve", "costs"):
+        args = _build_parser().parse_args([command, "x"] if command in ("generate", "compare") else [command])
+        assert args.target_dtype == "float32" and target_dtype(args) == torch.float32
+    assert target_dtype(_build_parser().parse_args(["generate", "--target-dtype", "bfloat16", "x"])) == torch.bfloat16
+    common = ["generate", "--target", tiny_gguf, "--target-dtype", "bfloat16", "--max-new-tokens", "10", "--raw", "hello the"]
+    assert main([*common, "--drafter", "none"]) == 0
+    plain, err = capsys.readouterr()
+    kernels = "panel (bfloat16 dot products)" if bf16_kernels_available() else "dense"
+    assert f"target kernels: {kernels}" in err
+    assert main([*common, "--drafter", "draft-model", "--draft", tiny_gguf]) == 0  # the draft stays float32 (int8)
+    assert capsys.readouterr().out == plain
+    with pytest.raises(SystemExit):
+        main([*common, "--target-dtype", "float16"])
+    assert "--target-dtype" in capsys.readouterr().err
+    costs = ["costs", "--target", tiny_gguf, "--target-dtype", "bfloat16", "--draft", "none", "--context", "8", "--tokens", "1,3", "--repeats", "1"]
+    assert main(costs) == 0
+    out = capsys.readouterr().out
+    assert ("target panel, bfloat16 (auto's choice here)" if bf16_kernels_available() else "target dense (auto's choice here)") in out
 
 
 def test_compare_refuses_no_drafter(tiny_gguf, capsys):

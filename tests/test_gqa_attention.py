@@ -37,3 +37,22 @@ def test_applies_only_to_sdpa_models():
     target.set_attn_implementation("eager")
     use_gqa_attention(target)
     assert target.config._attn_implementation == "eager"
+
+
+def test_half_precision_attends_in_float32():
+    # bfloat16 on the CPU: attention in float32 (PyTorch's bfloat16 SDPA is ~5x slower for one query
+    # row), the output rounded back once. Same as the float32 computation on the upcast inputs.
+    torch.manual_seed(0)
+    target = use_gqa_attention(tiny_target().bfloat16())
+    module = target.model.layers[0].self_attn
+    from verispec.models.gqa_attention import gqa_sdpa_attention
+
+    query = torch.randn(1, 4, 3, 8, dtype=torch.bfloat16)
+    key, value = torch.randn(2, 1, 2, 10, 8, dtype=torch.bfloat16)
+    mask = torch.ones(1, 1, 3, 10, dtype=torch.bool).tril(diagonal=7)
+    output, _ = gqa_sdpa_attention(module, query, key, value, mask, scaling=0.3)
+    expected, _ = gqa_sdpa_attention(module, query.float(), key.float(), value.float(), mask, scaling=0.3)
+    assert output.dtype == torch.bfloat16
+    assert torch.equal(output, expected.bfloat16())
+    logits = CachedLM(target).extend(list(range(3, 20)), num_logits=2).logits
+    assert bool(torch.isfinite(logits).all())  # CachedLM hands logits over as float32

@@ -12,7 +12,7 @@ from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
 from verispec.models.packed_linear import pack_linears
-from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, bf16_kernels_available, pack_bf16_panels, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
 
 needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
@@ -147,7 +147,7 @@ def test_vnni_panels_hold_each_column_four_inputs_at_a_time():
 
 
 def test_bad_layer_is_refused():
-    with pytest.raises(ValueError, match="PanelLinear takes a float32 nn.Linear"):
+    with pytest.raises(ValueError, match="PanelLinear takes a float32 or bfloat16 nn.Linear"):
         PanelLinear(torch.nn.Linear(8, 8).double())
     assert isinstance(panel_or_same(torch.nn.Conv1d(2, 2, 1)), torch.nn.Conv1d)
 
@@ -215,7 +215,7 @@ def test_the_avx2_paths_run_on_any_avx2_machine(tmp_path):
     code = """
 import torch
 from verispec.models import quantize_int8
-from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, bf16_kernels_available, pack_bf16_panels, PanelLinear, f32_panel_width, int8_uses_vnni
 from verispec.engine.lean_lm import LeanDecoder, LeanLM
 from tiny_models import tiny_target
 assert not int8_uses_vnni() and f32_panel_width() == 8
@@ -248,3 +248,89 @@ print("ok")
     env = {**os.environ, "VERISPEC_NO_VNNI": "1", "VERISPEC_NO_AVX512": "1", "VERISPEC_CACHE": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+needs_bf16 = pytest.mark.skipif(
+    panel_kernels_unavailable_reason() is not None or not bf16_kernels_available(), reason="the bfloat16 kernels need an AVX512-BF16 CPU"
+)
+
+
+def test_bf16_panels_hold_each_column_two_inputs_at_a_time():
+    weight = torch.arange(35 * 5, dtype=torch.float32).view(35, 5).bfloat16()  # [out 35, in 5]: 2 panels, 3 pairs
+    packed = pack_bf16_panels(weight)
+    assert packed.shape == (2, 3, 32, 2) and packed.dtype == torch.bfloat16
+    for out in range(35):
+        for k in range(5):
+            assert packed[out // 32, k // 2, out % 32, k % 2] == weight[out, k]
+    assert bool((packed[:, 2, :, 1] == 0).all()) and bool((packed[1, :, 3:] == 0).all())  # padded input 5 and outputs 35..63
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        pack_bf16_panels(weight.float())
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 17, 37])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_matches_a_float64_reference_and_rows_do_not_interact(rows, bias):
+    # The kernel rounds the activations to bfloat16 once and sums exact bf16 x bf16 products in float32;
+    # one chain per output, so a verification pass gives bit for bit what single-row steps give.
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(301, 70, bias=bias).bfloat16()  # odd width: the last pair is padded
+    panel = PanelLinear(layer)
+    assert panel.is_bf16 and not panel.is_int8 and "bfloat16" in repr(panel)
+    x = torch.randn(rows, 301)
+    with torch.inference_mode():
+        out = panel(x)
+        out_bf16 = panel(x.bfloat16())
+        one_by_one = torch.cat([panel(x[i : i + 1]) for i in range(rows)])
+    reference = x.bfloat16().double() @ layer.weight.double().T
+    if bias:
+        reference = reference + layer.bias.double()
+    assert out.dtype == torch.float32 and out_bf16.dtype == torch.bfloat16  # the caller's dtype back
+    torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out, one_by_one)
+    assert torch.equal(out_bf16, out.bfloat16())
+
+
+@needs_bf16
+def test_bf16_long_passes_and_gradients_use_pytorch():
+    layer = torch.nn.Linear(64, 40).bfloat16()
+    panel = PanelLinear(layer)
+    x = torch.randn(MAX_KERNEL_ROWS + 1, 64).bfloat16()
+    torch.testing.assert_close(panel(x), layer(x), rtol=0, atol=0)  # prefill: PyTorch's own bfloat16 product
+    grad_input = torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert panel(grad_input).requires_grad
+
+
+def test_bf16_layers_are_refused_without_the_kernels(monkeypatch):
+    monkeypatch.setattr(panel_linear, "bf16_kernels_available", lambda: False)
+    with pytest.raises(ValueError, match="AVX512-BF16"):
+        PanelLinear(torch.nn.Linear(8, 8).bfloat16())
+
+
+@needs_bf16
+def test_bf16_target_on_the_kernels_keeps_its_own_greedy_output():
+    # A bfloat16 target is its own model: speculative decoding must reproduce ITS plain greedy output,
+    # with its products on the bfloat16 kernels (plain and verification passes alike).
+    target = tiny_target().bfloat16()
+    use_panel_kernels(target)
+    linears = [module for module in target.modules() if isinstance(module, (torch.nn.Linear, PanelLinear))]
+    assert linears and all(isinstance(module, PanelLinear) and module.is_bf16 for module in linears)
+    # It runs the lean forward (the fused stack on bfloat16 panels, float32 activations): a pass over
+    # several tokens gives bit for bit the logits of one-token steps, so no near-tie can flip.
+    from verispec.engine.lean_lm import LeanLM, target_lm
+
+    lm = target_lm(target)
+    assert isinstance(lm, LeanLM) and lm.decoder.fused is not None and lm.decoder.fused.kind == 2
+    lm.extend(list(range(5, 25)), num_logits=0)
+    block = lm.extend([7, 8, 9, 10, 11, 12, 13], num_logits=7).logits  # [7, vocab]
+    lm.crop(20)
+    steps = torch.cat([lm.extend([token], num_logits=1).logits for token in [7, 8, 9, 10, 11, 12, 13]])
+    assert block.dtype == torch.float32 and torch.equal(block, steps)
+    plain = SpeculativeDecoder(target).generate([1, 2, 3], 40, stop=[])
+    draft = quantize_int8(noisy_copy(tiny_target(), 0.2))
+    result = SpeculativeDecoder(target, DraftModel(draft), gamma=5).generate([1, 2, 3], 40, stop=[])
+    assert result.token_ids == plain.token_ids
+    assert sum(result.stats.accepted_per_round) > 0
+    # The same tokens PyTorch's bfloat16 products give (to rounding: no near-tie in this tiny model).
+    reference = SpeculativeDecoder(tiny_target().bfloat16()).generate([1, 2, 3], 40, stop=[])
+    assert reference.token_ids == plain.token_ids

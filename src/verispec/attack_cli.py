@@ -143,7 +143,7 @@ def _bench_argv(args: argparse.Namespace, prompts_file: Path, out: Path) -> list
     argv = ["bench", "--prompts", str(prompts_file), "--out", str(out), "--target", args.target, "--draft", args.draft]
     if args.placement == "completion":
         argv.append("--raw")
-    for option in ("methods", "gamma", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "target_kernels",
+    for option in ("methods", "gamma", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "target_dtype", "target_kernels",
                    "draft_confidence", "draft_path_confidence", "draft_vocab", "draft_quantize", "eagle_head", "threads", "cache_dir"):  # fmt: skip
         value = getattr(args, option)
         if value is not None:

@@ -33,8 +33,23 @@ def _add_sampling_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--seed", type=int, default=None, help="sampling seed (each generation starts from it)")
 
 
+TARGET_DTYPES = ("float32", "bfloat16")
+
+
+def _add_target_dtype_option(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--target-dtype", choices=list(TARGET_DTYPES), default="float32", help="the precision the target is loaded and served in: float32 (default) or bfloat16 (half the bytes per step; on CPUs with AVX512-BF16 its products run our bfloat16 few-row kernels, elsewhere PyTorch's). The output is exactly this target's either way, and speed-ups compare against plain decoding of the same target")
+
+
+def target_dtype(args: argparse.Namespace):  # noqa: ANN201 - torch.dtype (torch imported lazily)
+    """The torch dtype --target-dtype names (float32 for commands without the option)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[getattr(args, "target_dtype", "float32")]
+
+
 def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | None = None) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
+    _add_target_dtype_option(sub)
     sub.add_argument("--target-kernels", choices=["auto", "panel", "packed", "dense"], default="auto", help="auto (default): time panel against packed on the target's own weights when it is prepared (about two seconds) and keep the faster here, which differs by CPU (see Performance); panel: our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second); packed: oneDNN-packed weights; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--greedy-lm-head", choices=["screened", "full"], default="screened", help="screened (default): greedy passes of a target on the float32 panel kernels take the LM head's argmax through an int8 copy of it with an error bound per logit, computing in float32 only the logits that can be the argmax: the same tokens, about a quarter of the head's bytes (~20 ms less per step of the 1.5B target here; the int8 copy takes ~4 s to build and ~230 MB). full: every logit in float32. Sampling always computes the full head")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
@@ -106,8 +121,17 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
     screened_head = getattr(args, "greedy_lm_head", "screened") == "screened"
     if kernels != "dense":
         use_gqa_attention(target.model)
-    if kernels != "dense" and target.model.dtype != torch.float32:
-        used = f"dense (the target is {target.model.dtype}; the few-row kernels are float32)"
+    if kernels != "dense" and target.model.dtype == torch.bfloat16:
+        from verispec.models.panel_linear import bf16_kernels_available
+
+        if bf16_kernels_available():  # twice float32's multiply-adds per instruction, half the bytes: no contest to time
+            use_panel_kernels(target.model)
+            used = "panel (bfloat16 dot products)"
+        else:
+            used = "dense (this CPU or build lacks AVX512-BF16 for the bfloat16 few-row kernels)"
+        print(f"verispec: target kernels: {used}", file=sys.stderr)
+    elif kernels != "dense" and target.model.dtype != torch.float32:
+        used = f"dense (the target is {target.model.dtype}; the few-row kernels are float32 or bfloat16)"
     elif kernels != "dense":
         reason = panel_kernels_unavailable_reason()
         if kernels == "auto" and (reason is None or onednn_packing_available()):
@@ -195,6 +219,7 @@ def _build_parser() -> argparse.ArgumentParser:
     costs = commands.add_parser("costs", help="forward-pass cost by number of new tokens, per kernel setting (what decides gamma here)")
     costs.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     costs.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model, or 'none' (default {DEFAULT_DRAFT})")
+    _add_target_dtype_option(costs)
     costs.add_argument("--context", type=int, default=300, help="tokens already in the KV cache (default 300)")
     costs.add_argument("--tokens", default="1,2,3,4,5,6,8,12,16", help="comma list of new-token counts per pass")
     costs.add_argument("--repeats", type=int, default=5, help="passes per count; the median is reported (default 5)")
@@ -359,7 +384,7 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
     parallel_head = parallel_head_path(args) if args.drafter == "parallel" else None
     started = time.perf_counter()
-    target = load_model(args.target, cache_dir=args.cache_dir)
+    target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
     draft = None
     if args.drafter in MODEL_DRAFTERS and args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)
@@ -541,9 +566,12 @@ def _costs(args: argparse.Namespace) -> int:
             raise
         head_path = None
     rows = {}
-    target = load_model(args.target, cache_dir=args.cache_dir)
+    target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
     float32 = target.model.dtype == torch.float32
-    auto = fastest_target_kernels(target.model).name if float32 and (onednn_packing_available() or panel_kernels_unavailable_reason() is None) else "dense"
+    from verispec.models.panel_linear import bf16_kernels_available
+
+    bf16_panel = target.model.dtype == torch.bfloat16 and bf16_kernels_available()  # what --target-kernels auto runs for it
+    auto = fastest_target_kernels(target.model).name if float32 and (onednn_packing_available() or panel_kernels_unavailable_reason() is None) else "panel" if bf16_panel else "dense"
     mark = {auto: " (auto's choice here)"}
     rows["target dense" + mark.get("dense", "")] = forward_costs(target.model, args.context, counts, args.repeats)
     if onednn_packing_available() and float32:
@@ -563,6 +591,8 @@ def _costs(args: argparse.Namespace) -> int:
             text_ids = stdlib_text_ids(target.tokenizer, args.context + max(counts))
             if max(text_ids) < target.model.get_output_embeddings().out_features:
                 rows["target panel, greedy, screened head (code text)"] = forward_costs(panel, args.context, counts, args.repeats, text_ids=text_ids, argmax_only=True)
+    if bf16_panel:
+        rows["target panel, bfloat16" + mark.get("panel", "")] = forward_costs(use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
     if head_path is not None:
         from verispec.bench.costs import eagle_costs
         from verispec.drafters.eagle import EagleDrafter
@@ -671,7 +701,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     loading = time.perf_counter()
-    target = load_model(args.target, cache_dir=args.cache_dir)
+    target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
     draft = load_model(args.draft, cache_dir=args.cache_dir) if needs_draft else None
     target_kernels = _prepare_models(args, target, draft)
     print(f"loaded in {time.perf_counter() - loading:.1f}s", file=sys.stderr)
@@ -714,6 +744,7 @@ def _bench(args: argparse.Namespace) -> int:
         "top_p": args.top_p,
         "seed": args.seed,
         "threads": torch.get_num_threads(),
+        "target_dtype": args.target_dtype,
         "target_kernels": target_kernels,
         "draft_kernels": _draft_kernels_used(args) if needs_draft else None,
         "quick": args.quick,

@@ -86,7 +86,7 @@ def _replay(args: argparse.Namespace) -> int:
     from verispec.bench.methods import parse_methods, parse_variant
     from verispec.bench.replay import REPLAY_BASES, TRACE_FORMAT, DraftTrace, ReplayCosts, record_trace, replay, summarize_replays
     from verispec.bench.runner import conversation_ids
-    from verispec.cli import _prepare_models, draft_model_settings
+    from verispec.cli import _prepare_models, draft_model_settings, target_dtype
     from verispec.drafters.combined import STREAM_GAMMA, lookup_then_model
     from verispec.engine import SpeculativeDecoder
     from verispec.engine.gamma import StepCosts
@@ -112,7 +112,7 @@ def _replay(args: argparse.Namespace) -> int:
     missing = [p for p in prompts if p.id not in traces]
     needs_costs = verify_given is None or args.draft_ms is None
     if missing or needs_costs:
-        target = load_model(args.target, cache_dir=args.cache_dir)
+        target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
         draft = load_model(args.draft, cache_dir=args.cache_dir)
         _prepare_models(args, target, draft)
         drafter = draft_model_settings(args).build(draft)

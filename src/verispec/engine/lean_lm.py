@@ -38,7 +38,7 @@ from torch import nn
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
-from verispec.models.panel_linear import PanelLinear, panel_library, panel_or_same
+from verispec.models.panel_linear import PanelLinear, bf16_kernels_available, panel_library, panel_or_same
 from verispec.models.quantize import is_quantized, stacked_linear
 from verispec.models.screened_head import ScreenedArgmaxHead
 
@@ -59,8 +59,11 @@ def lean_unsupported_reason(model: nn.Module) -> str | None:
     sliding = getattr(config, "use_sliding_window", config.model_type == "mistral") and getattr(config, "sliding_window", None)
     if sliding or any(kind != "full_attention" for kind in layer_types):
         return "sliding-window attention"
-    if next(model.parameters()).dtype != torch.float32:
-        return f"dtype {next(model.parameters()).dtype} (the lean forward runs float32 models, int8 linears included)"
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.bfloat16 and not bf16_kernels_available():
+        return "dtype torch.bfloat16 without the AVX512-BF16 kernels (the lean forward runs float32 models, int8 linears included, and bfloat16 ones on those kernels)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (the lean forward runs float32 models, int8 linears included, and bfloat16 ones on the AVX512-BF16 kernels)"
     body = model.get_decoder()
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
@@ -79,10 +82,11 @@ def lean_unsupported_reason(model: nn.Module) -> str | None:
 
 
 def _runs_panel_kernels(model: nn.Module) -> bool:
-    """Whether every linear layer of ``model``'s decoder is a float32 :class:`PanelLinear` (the model
-    was switched to the panel kernels, e.g. a target with ``--target-kernels panel``)."""
+    """Whether every linear layer of ``model``'s decoder is a float32 (or every one a bfloat16)
+    :class:`PanelLinear` (the model was switched to the panel kernels, e.g. a target with
+    ``--target-kernels panel``)."""
     linears = [module for module in model.get_decoder().modules() if isinstance(module, (nn.Linear, PanelLinear)) or is_quantized(module)]
-    return bool(linears) and all(isinstance(module, PanelLinear) and not module.is_int8 for module in linears)
+    return bool(linears) and all(isinstance(module, PanelLinear) and not module.is_int8 for module in linears) and len({module.is_bf16 for module in linears}) == 1
 
 
 def target_runs_lean(model: nn.Module) -> bool:
@@ -140,8 +144,10 @@ class LeanDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.hidden_size = config.hidden_size
         self.eps = float(config.rms_norm_eps)
-        self.embed = body.embed_tokens
-        self.norm = body.norm.weight.detach()
+        self.embed_tokens = body.embed_tokens
+        # float32 activations whatever the weights: a bfloat16 model's norms and embeddings are upcast
+        # (exactly), its products round their inputs to bfloat16 (PanelLinear, the fused stack).
+        self.norm = body.norm.weight.detach().float()
         self.inv_freq = body.rotary_emb.inv_freq.detach().float()  # the model's own frequencies
 
         def group(modules: list[nn.Module]) -> list[nn.Module]:
@@ -155,8 +161,8 @@ class LeanDecoder:
                 o_proj=fast(layer.self_attn.o_proj),
                 gate_up=group([layer.mlp.gate_proj, layer.mlp.up_proj]),
                 down_proj=fast(layer.mlp.down_proj),
-                input_norm=layer.input_layernorm.weight.detach(),
-                post_attention_norm=layer.post_attention_layernorm.weight.detach(),
+                input_norm=layer.input_layernorm.weight.detach().float(),
+                post_attention_norm=layer.post_attention_layernorm.weight.detach().float(),
             )
             for layer in body.layers
         ]
@@ -172,6 +178,9 @@ class LeanDecoder:
         if decoder is None or decoder.source_o_proj is not model.get_decoder().layers[0].self_attn.o_proj:
             decoder = decoders[panel_kernels] = cls(model, panel_kernels)
         return decoder
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden] float32
+        return self.embed_tokens(input_ids).float()
 
     def new_cache(self) -> list[LayerKVCache]:
         return [LayerKVCache() for _ in self.layers]
@@ -244,7 +253,7 @@ class _FusedStack:
         products = [module for layer in decoder.layers for module in (*layer.qkv, layer.o_proj, *layer.gate_up, layer.down_proj)]
         if not all(isinstance(module, PanelLinear) for module in products):
             return None
-        if len({module.is_int8 for module in products}) != 1 or decoder.head_dim % 8 or decoder.num_heads % decoder.num_kv_heads:
+        if len({(module.is_int8, module.is_bf16) for module in products}) != 1 or decoder.head_dim % 8 or decoder.num_heads % decoder.num_kv_heads:
             return None
         first = decoder.layers[0]  # the kernel takes one q/k/v and gate/up grouping for all layers
         if any(len(layer.qkv) != len(first.qkv) or len(layer.gate_up) != len(first.gate_up) for layer in decoder.layers):
@@ -254,6 +263,7 @@ class _FusedStack:
     def __init__(self, decoder: "LeanDecoder", products: list[PanelLinear]) -> None:
         self.decoder = decoder
         self.is_int8 = products[0].is_int8
+        self.kind = 1 if self.is_int8 else 2 if products[0].is_bf16 else 0  # WeightKind in panel_kernels.cpp
         self.max_rows = min(module.max_kernel_rows for module in products)
         intermediate = decoder.layers[0].down_proj.in_features
         first = decoder.layers[0]
@@ -295,7 +305,7 @@ class _FusedStack:
         cos, sin, out = cos.contiguous(), sin.contiguous(), torch.empty_like(hidden)
         int64s = lambda values: (ctypes.c_int64 * len(values))(*values)  # noqa: E731
         panel_library().verispec_lean_stack(
-            self.dims, decoder.eps, int(self.is_int8), len(sequences), int64s(rows), int64s(starts), int64s(capacities),
+            self.dims, decoder.eps, self.kind, len(sequences), int64s(rows), int64s(starts), int64s(capacities),
             (ctypes.c_void_p * len(buffers))(*buffers), hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             self.weights, self.scales, self.colsums, self.biases, self.norms, self.final_norm.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )

@@ -31,7 +31,17 @@ def gqa_sdpa_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention output # [batch, q_len, heads, head_dim]; masked multi-row GQA without copying keys/values."""
+    """Attention output # [batch, q_len, heads, head_dim]; masked multi-row GQA without copying keys/values.
+
+    Half-precision inputs on the CPU are attended in float32 and the output cast back: PyTorch's CPU
+    SDPA took 524 us for one bfloat16 query row over 300 cached tokens (12 heads, 2 KV heads) against
+    98 us with the conversions to float32 and back (2 threads, AMD EPYC), 14 ms of a 140 ms step of
+    the bfloat16 1.5B target. Every pass of a model takes this path, so plain and speculative decoding
+    attend alike (and a little more precisely than in bfloat16)."""
+    if query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu":
+        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else attention_mask
+        output, _ = gqa_sdpa_attention(module, query.float(), key.float(), value.float(), mask, dropout, scaling, **kwargs)
+        return output.to(query.dtype), None
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     if not grouped or attention_mask is None or query.shape[2] == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

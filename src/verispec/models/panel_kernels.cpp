@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #define PANEL 8  // int8 panels, and float32 ones without AVX-512
 #define MAX_CHUNK_ROWS 12
 #define PREFETCH_BYTES 8192
@@ -142,26 +144,72 @@ static inline __attribute__((always_inline)) void wide_rows(const float* x, int6
   }
 }
 
-static void f32_chunk_rows(int rows, const float* x, int64_t K, const float* panel, float* out, int64_t k0, int64_t k1) {
+// kernel(std::integral_constant<int, ROWS>) for rows 1..12 (12 for more): one instantiation per row count.
+template <typename Kernel>
+static inline void with_rows(int rows, Kernel kernel) {
   switch (rows) {
-    case 1: wide_rows<1>(x, K, panel, out, k0, k1); break;
-    case 2: wide_rows<2>(x, K, panel, out, k0, k1); break;
-    case 3: wide_rows<3>(x, K, panel, out, k0, k1); break;
-    case 4: wide_rows<4>(x, K, panel, out, k0, k1); break;
-    case 5: wide_rows<5>(x, K, panel, out, k0, k1); break;
-    case 6: wide_rows<6>(x, K, panel, out, k0, k1); break;
-    case 7: wide_rows<7>(x, K, panel, out, k0, k1); break;
-    case 8: wide_rows<8>(x, K, panel, out, k0, k1); break;
-    case 9: wide_rows<9>(x, K, panel, out, k0, k1); break;
-    case 10: wide_rows<10>(x, K, panel, out, k0, k1); break;
-    case 11: wide_rows<11>(x, K, panel, out, k0, k1); break;
-    default: wide_rows<12>(x, K, panel, out, k0, k1); break;
+    case 1: kernel(std::integral_constant<int, 1>()); break;
+    case 2: kernel(std::integral_constant<int, 2>()); break;
+    case 3: kernel(std::integral_constant<int, 3>()); break;
+    case 4: kernel(std::integral_constant<int, 4>()); break;
+    case 5: kernel(std::integral_constant<int, 5>()); break;
+    case 6: kernel(std::integral_constant<int, 6>()); break;
+    case 7: kernel(std::integral_constant<int, 7>()); break;
+    case 8: kernel(std::integral_constant<int, 8>()); break;
+    case 9: kernel(std::integral_constant<int, 9>()); break;
+    case 10: kernel(std::integral_constant<int, 10>()); break;
+    case 11: kernel(std::integral_constant<int, 11>()); break;
+    default: kernel(std::integral_constant<int, 12>()); break;
   }
+}
+
+static void f32_chunk_rows(int rows, const float* x, int64_t K, const float* panel, float* out, int64_t k0, int64_t k1) {
+  with_rows(rows, [&](auto count) { wide_rows<decltype(count)::value>(x, K, panel, out, k0, k1); });
 }
 #else
 static void f32_chunk_rows(int rows, const float* x, int64_t K, const float* panel, float* out, int64_t, int64_t) {
   chunk_rows<false>(rows, x, K, panel, out);
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BF16 1
+// bfloat16 weights (a bfloat16 target): panels of 32 columns over k pairs, [ceil(N/32)][ceil(K/2)][32][2],
+// one 128-byte line per k pair as in the float32 layout. vdpbf16ps multiplies two bf16 pairs and
+// adds both products to a float32 lane, so a line costs two instructions per row whatever its
+// content: half the bytes of float32 and twice the multiply-adds per instruction. x comes as bf16
+// pairs (one 32-bit word per k pair, rounded once by the caller). As in wide_rows, one chain of
+// dot products per output and k range: every row's sums are the same operations whatever the
+// number of rows, so a verification pass gives bit for bit what a 1-token step gives.
+template <int ROWS>
+static inline __attribute__((always_inline)) void bf16_rows(const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
+  __m512 acc[2][ROWS];
+  for (int m = 0; m < ROWS; ++m) {
+    acc[0][m] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * F32_PANEL);
+    acc[1][m] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * F32_PANEL + 16);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint16_t* line = panel + k * 2 * F32_PANEL;
+    _mm_prefetch((const char*)line + PREFETCH_BYTES, _MM_HINT_T2);
+    _mm_prefetch((const char*)line + PREFETCH_BYTES + 64, _MM_HINT_T2);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(line), w1 = (__m512bh)_mm512_loadu_si512(line + F32_PANEL);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32((int)x[m * K2 + k]);
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, b);
+      acc[1][m] = _mm512_dpbf16_ps(acc[1][m], w1, b);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_storeu_ps(out + m * F32_PANEL, acc[0][m]);
+    _mm512_storeu_ps(out + m * F32_PANEL + 16, acc[1][m]);
+  }
+}
+
+static void bf16_chunk_rows(int rows, const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
+  with_rows(rows, [&](auto count) { bf16_rows<decltype(count)::value>(x, K2, panel, out, k0, k1); });
+}
+#else
+#define BF16 0
 #endif
 
 // One weight as the kernels take it: packed panels, per-output scales (int8) and, for the VNNI
@@ -311,10 +359,56 @@ static inline void for_panel_chunks(int64_t M, int64_t N, int64_t K, float* y, i
 // One product y (+)= x . W^T * scale + bias, y with row stride ldy (0: N). The VNNI int8 path first
 // quantises x into q (one thread; the others wait at the barrier; skipped when q already holds this
 // x) and undoes the +128 activation offset with the column sums.
-template <bool INT8, bool ACCUMULATE = false>
+// The weights a product (and the lean stack) multiplies by: float32, int8 or bfloat16 panels.
+enum WeightKind { F32_WEIGHTS = 0, INT8_WEIGHTS = 1, BF16_WEIGHTS = 2 };
+
+#if BF16
+// Rows of x as bfloat16 pairs for bf16_rows: pairs [M][ceil(K/2)] 32-bit words, rounded to nearest
+// even as PyTorch's .to(torch.bfloat16) rounds (finite values), an odd K padded with a zero.
+static void bf16_pairs(const float* x, int64_t M, int64_t K, uint32_t* pairs) {
+  const int64_t K2 = (K + 1) / 2;
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    uint16_t* out = (uint16_t*)(pairs + m * K2);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(row + k));
+      bits = _mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
+      _mm256_storeu_si256((__m256i*)(out + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    }
+    for (; k < K; ++k) {
+      uint32_t bits;
+      memcpy(&bits, row + k, 4);
+      out[k] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+    if (K % 2) out[K] = 0;
+  }
+}
+#endif
+
+template <int KIND, bool ACCUMULATE = false>
 static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* y, Quantized q, int64_t ldy = 0, bool x_quantized = false) {
+  constexpr bool INT8 = KIND == INT8_WEIGHTS;
   const int64_t N = w.N, K = w.K;
   ldy = ldy ? ldy : N;
+#if BF16
+  if (KIND == BF16_WEIGHTS) {  // x rounded to bfloat16 pairs once (one thread; the others wait at the barrier)
+    const int64_t K2 = (K + 1) / 2, panel_words = K2 * 2 * F32_PANEL;
+    const uint32_t* pairs = (const uint32_t*)q.xq;
+    if (!x_quantized) {
+#pragma omp single
+      bf16_pairs(x, M, K, (uint32_t*)q.xq);
+    }
+    for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, ACCUMULATE, F32_K_BLOCK>(
+        M, N, K2, y, ldy,
+        [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
+          bf16_chunk_rows(rows, pairs + m0 * K2, K2, (const uint16_t*)w.packed + p * panel_words, out, k0, k1);
+        },
+        [&](float entry, int64_t, int64_t n) { return w.bias ? entry + w.bias[n] : entry; });
+    return;
+  }
+#endif
 #if VNNI
   if (INT8) {
     const int64_t K4 = round_up4(K);
@@ -352,11 +446,11 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
       });
 }
 
-// Scratch for quantised rows (VNNI int8 only): M rows of width K.
+// Scratch for quantised rows (VNNI int8: bytes 1) or bfloat16 pairs (bytes 2): M rows of width K.
 struct QuantizedBuffer {
   Quantized q;
-  QuantizedBuffer(int64_t M, int64_t K) {
-    q.xq = (uint8_t*)malloc(M * round_up4(K) + 64);
+  QuantizedBuffer(int64_t M, int64_t K, int64_t bytes = 1) {
+    q.xq = (uint8_t*)malloc(M * round_up4(K) * bytes + 64);
     q.xscale = (float*)malloc(sizeof(float) * M);
   }
   ~QuantizedBuffer() {
@@ -369,7 +463,7 @@ template <bool INT8>
 static void panel_linear(const float* x, int64_t M, const Weight& w, float* y, int num_threads) {
   QuantizedBuffer buffer(INT8 ? M : 0, INT8 ? w.K : 0);
 #pragma omp parallel num_threads(num_threads)
-  panel_linear_for<INT8>(x, M, w, y, buffer.q);
+  panel_linear_for<INT8 ? INT8_WEIGHTS : F32_WEIGHTS>(x, M, w, y, buffer.q);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -408,12 +502,12 @@ struct Segments {
 };
 
 // Products whose outputs sit side by side in y [M, sum of the parts' N]; x is quantised once (VNNI).
-template <bool INT8>
+template <int KIND>
 static void grouped_linear_for(const float* x, int64_t M, const Weight* parts, int64_t count, float* y, Quantized q) {
   int64_t width = 0, offset = 0;
   for (int64_t j = 0; j < count; ++j) width += parts[j].N;
   for (int64_t j = 0; j < count; ++j) {
-    panel_linear_for<INT8>(x, M, parts[j], y + offset, q, width, j > 0);
+    panel_linear_for<KIND>(x, M, parts[j], y + offset, q, width, j > 0);
     offset += parts[j].N;
   }
 }
@@ -470,7 +564,7 @@ static inline void dot4(const float* a, const float* b, int64_t stride, int64_t 
     for (int64_t tail = j; tail < n; ++tail) out[k] += a[tail] * b[k * stride + tail];
 }
 
-template <bool INT8>
+template <int KIND>
 static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, float* x, const float* cos, const float* sin,
                        const Weight* weights, const float* const* norms, const float* final_norm, float* out, int num_threads) {
   const int64_t H = d.heads, KV = d.kv_heads, D = d.head_dim, I = d.intermediate, h = d.hidden;
@@ -492,7 +586,7 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
   float* scores = act + n * I;             // [n H, end]
   int64_t widest = h > I ? h : I;
   widest = widest > H * D ? widest : H * D;
-  QuantizedBuffer quantized(INT8 ? n : 0, INT8 ? widest : 0);
+  QuantizedBuffer quantized(KIND != F32_WEIGHTS ? n : 0, KIND != F32_WEIGHTS ? widest : 0, KIND == BF16_WEIGHTS ? 2 : 1);
   const Quantized q = quantized.q;
   const float scaling = 1.0f / sqrtf((float)D);
 #pragma omp parallel num_threads(num_threads)
@@ -507,7 +601,7 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
     const int64_t* layer_capacities = seq.capacities + l * seq.count;
 #pragma omp single
     rms_norm_rows(x, n, h, norms[2 * l], d.eps, normed);
-    grouped_linear_for<INT8>(normed, n, qkv_w, d.qkv_parts, qkv, q);
+    grouped_linear_for<KIND>(normed, n, qkv_w, d.qkv_parts, qkv, q);
 #pragma omp single
     for (int64_t i = 0; i < n; ++i) {
       float* row = qkv + i * qkv_width;
@@ -556,17 +650,17 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
         for (int64_t v = 0; v < vectors; ++v) _mm256_storeu_ps(ctx + first + 8 * v, acc[v]);
       }
     }
-    panel_linear_for<INT8, true>(context, n, o_w, x, q);
+    panel_linear_for<KIND, true>(context, n, o_w, x, q);
 #pragma omp single
     rms_norm_rows(x, n, h, norms[2 * l + 1], d.eps, normed);
-    grouped_linear_for<INT8>(normed, n, gate_up_w, d.gate_up_parts, gate_up, q);
+    grouped_linear_for<KIND>(normed, n, gate_up_w, d.gate_up_parts, gate_up, q);
 #pragma omp for schedule(static)
     for (int64_t e = 0; e < n * I; ++e) {
       const int64_t i = e / I, j = e % I;
       const float g = gate_up[i * 2 * I + j];
       act[e] = g / (1.0f + expf(-g)) * gate_up[i * 2 * I + I + j];
     }
-    panel_linear_for<INT8, true>(act, n, down_w, x, q);
+    panel_linear_for<KIND, true>(act, n, down_w, x, q);
   }
   rms_norm_rows(x, n, h, final_norm, d.eps, out);
   free(buffer);
@@ -603,6 +697,27 @@ void verispec_panel_linear_f32_panels(const float* x, int64_t M, int64_t K, cons
       [](float entry, int64_t, int64_t) { return entry; });
 }
 
+// 1 where built with AVX512-BF16: verispec_panel_linear_bf16 runs.
+int verispec_has_bf16(void) { return BF16; }
+
+// y [M, N] (float32) = x [M, K2 pairs] (bf16, K padded to even with zeros) . W^T + bias, W packed as
+// bf16_rows reads it. A no-op where built without AVX512-BF16 (verispec_has_bf16 says so first).
+void verispec_panel_linear_bf16(const uint32_t* x, int64_t M, int64_t K2, const uint16_t* packed, int64_t N, const float* bias,
+                                float* y, int num_threads) {
+#if BF16
+  const int64_t panel_words = K2 * 2 * F32_PANEL;
+#pragma omp parallel num_threads(num_threads)
+  for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, false, F32_K_BLOCK>(
+      M, N, K2, y, N,
+      [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
+        bf16_chunk_rows(rows, x + m0 * K2, K2, packed + p * panel_words, out, k0, k1);
+      },
+      [&](float entry, int64_t, int64_t n) { return bias ? entry + bias[n] : entry; });
+#else
+  (void)x, (void)M, (void)K2, (void)packed, (void)N, (void)bias, (void)y, (void)num_threads;
+#endif
+}
+
 void verispec_panel_linear_i8(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N, const float* scale,
                               const int32_t* colsum, const float* bias, float* y, int num_threads) {
   panel_linear<true>(x, M, Weight{packed, N, K, scale, colsum, bias}, y, num_threads);
@@ -611,13 +726,15 @@ void verispec_panel_linear_i8(const float* x, int64_t M, int64_t K, const int8_t
 // dims: num_layers, hidden, heads, kv_heads, head_dim, intermediate, qkv_parts (1: stacked, 3: q, k,
 // v), gate_up_parts (1: stacked, 2: gate, up); per layer l, P = qkv_parts + gate_up_parts + 2 entries
 // from P·l of weights/scales/colsums/biases: the qkv parts, o, the gate_up parts, down (scales and
-// colsums null for float32, colsums null unless the int8 layout is VNNI, biases may be null);
+// colsums null for float32 and bfloat16, colsums null unless the int8 layout is VNNI, biases may be
+// null); kind: the WeightKind of every product (bfloat16 only where built with BF16: the activations
+// stay float32, rounded to bfloat16 pairs at each product's input, the KV cache is float32);
 // norms[2l], norms[2l+1] = input and post-attention RMSNorm. The pass extends num_seqs sequences
 // (Segments above: seq_rows, seq_starts, capacities [num_layers][num_seqs], caches
 // [num_layers][num_seqs][keys, values], positions < start filled); n = the sum of seq_rows. x [n,
 // hidden] (the token embeddings, sequence by sequence) is the residual stream, overwritten; cos / sin
 // [n, head_dim] each row's rotary angles; out [n, hidden] receives the final-normed features.
-void verispec_lean_stack(const int64_t* dims, float eps, int int8, int64_t num_seqs, const int64_t* seq_rows,
+void verispec_lean_stack(const int64_t* dims, float eps, int kind, int64_t num_seqs, const int64_t* seq_rows,
                          const int64_t* seq_starts, const int64_t* capacities, float* const* caches, float* x,
                          const float* cos, const float* sin, const void* const* weights, const float* const* scales,
                          const int32_t* const* colsums, const float* const* biases, const float* const* norms,
@@ -639,10 +756,14 @@ void verispec_lean_stack(const int64_t* dims, float eps, int int8, int64_t num_s
   Weight* layers = (Weight*)malloc(sizeof(Weight) * per_layer * d.num_layers);
   for (int64_t i = 0; i < per_layer * d.num_layers; ++i)
     layers[i] = Weight{weights[i], outputs[i % per_layer], inputs[i % per_layer], scales[i], colsums[i], biases[i]};
-  if (int8)
-    lean_stack<true>(d, seq, n, x, cos, sin, layers, norms, final_norm, out, num_threads);
+  if (kind == INT8_WEIGHTS)
+    lean_stack<INT8_WEIGHTS>(d, seq, n, x, cos, sin, layers, norms, final_norm, out, num_threads);
+#if BF16
+  else if (kind == BF16_WEIGHTS)
+    lean_stack<BF16_WEIGHTS>(d, seq, n, x, cos, sin, layers, norms, final_norm, out, num_threads);
+#endif
   else
-    lean_stack<false>(d, seq, n, x, cos, sin, layers, norms, final_norm, out, num_threads);
+    lean_stack<F32_WEIGHTS>(d, seq, n, x, cos, sin, layers, norms, final_norm, out, num_threads);
   free(layers);
 }
 }

@@ -68,6 +68,7 @@ MAX_KERNEL_ROWS = 128
 MAX_INT8_KERNEL_ROWS = 2
 # With 8-bit dot products (VNNI) the int8 kernel stays memory-bound over more rows.
 MAX_VNNI_KERNEL_ROWS = 16
+BF16_PANEL_WIDTH = 32  # output columns per bfloat16 panel (the AVX-512 float32 panel width)
 
 
 def _compiler() -> str | None:
@@ -97,6 +98,8 @@ def _machine_flags() -> list[str]:
             flags += _VNNI_FLAGS["avx_vnni"]
         elif {"avx512_vnni", "avx512vl"} <= cpu:
             flags += _VNNI_FLAGS["avx512_vnni"]
+    if {"avx512f", "avx512_bf16"} <= cpu and not os.environ.get("VERISPEC_NO_AVX512") and not os.environ.get("VERISPEC_NO_BF16"):
+        flags += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
     return flags
 
 
@@ -146,6 +149,8 @@ def panel_library() -> ctypes.CDLL:
     library.verispec_panel_linear_f32.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, ctypes.c_int]
     library.verispec_panel_linear_i8.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, pointer, pointer, ctypes.c_int]
     library.verispec_panel_linear_f32_panels.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
+    library.verispec_has_bf16.restype = ctypes.c_int
+    library.verispec_panel_linear_bf16.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, ctypes.c_int]
     library.verispec_lean_stack.argtypes = [pointer, ctypes.c_float, ctypes.c_int, int64, *[pointer] * 14, ctypes.c_int]
     return library
 
@@ -178,6 +183,20 @@ def pack_vnni_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _panels(weight, 4), weight.sum(dim=1, dtype=torch.int32).contiguous()
 
 
+def bf16_kernels_available() -> bool:
+    """Whether bfloat16 weights run the panel kernels here (built with AVX512-BF16 dot products)."""
+    return panel_kernels_unavailable_reason() is None and bool(panel_library().verispec_has_bf16())
+
+
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``weight`` # [out, in] as panels # [ceil(out/32), ceil(in/2), 32, 2] (element i of
+    column n of panel p in pair g is weight[32p + n, 2g + i]; padding is zero): one 128-byte line
+    per pair of inputs, what ``vdpbf16ps`` multiplies by a broadcast pair of activations."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"weight must be a 2-D bfloat16 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
+    return _panels(weight, 2, BF16_PANEL_WIDTH)
+
+
 def pack_panels(weight: torch.Tensor, width: int = PANEL_WIDTH) -> torch.Tensor:
     """``weight`` # [out, in] (float32 or int8) as panels # [ceil(out/width), in, width]: column n
     of panel p at row k is weight[width·p + n, k]; the last panel is padded with zeros."""
@@ -191,7 +210,9 @@ def pack_panels(weight: torch.Tensor, width: int = PANEL_WIDTH) -> torch.Tensor:
 class PanelLinear(nn.Module):
     """A float32 ``nn.Linear`` (or :class:`PackedLinear`) or an int8 dynamic linear whose products
     over at most ``MAX_KERNEL_ROWS`` (int8: ``MAX_INT8_KERNEL_ROWS``) rows run the panel kernels;
-    more rows, gradients or other dtypes go to the layer it was built from. Float layers keep
+    more rows, gradients or other dtypes go to the layer it was built from. A bfloat16 ``nn.Linear``
+    (a bfloat16 target) runs the AVX512-BF16 kernel where the CPU has it (ValueError otherwise),
+    half the bytes and twice the multiply-adds per instruction of float32. Float layers keep
     ``weight``/``bias`` as they were (state_dict keys unchanged); the packed panels are a second
     copy of the weight.
 
@@ -213,17 +234,22 @@ class PanelLinear(nn.Module):
             rows, self.scale = rows.contiguous(), scales.float().contiguous()
             bias = source.bias()
             self.source = source  # the fallback for many rows
-        elif isinstance(source, (nn.Linear, PackedLinear)) and source.weight.dtype == torch.float32:
+        elif isinstance(source, (nn.Linear, PackedLinear)) and source.weight.dtype in (torch.float32, torch.bfloat16):
             rows, self.scale = source.weight.detach(), None
             self.weight, self.bias = source.weight, source.bias  # registered: same parameters, same state_dict keys
             bias = source.bias
         else:
-            raise ValueError(f"PanelLinear takes a float32 nn.Linear or an int8 dynamic linear, got {type(source).__name__}")
+            raise ValueError(f"PanelLinear takes a float32 or bfloat16 nn.Linear or an int8 dynamic linear, got {type(source).__name__}")
+        self.is_bf16 = rows.dtype == torch.bfloat16
+        if self.is_bf16 and not bf16_kernels_available():
+            raise ValueError("bfloat16 weights need the AVX512-BF16 panel kernels, which this CPU or build lacks")
         self.kernel_bias = None if bias is None else bias.detach().float().contiguous()
         self.chunk_long_passes = chunk_long_passes and not self.is_int8
         panel_library()  # build or load now: a failure shows at model preparation, not mid-generation
         self.colsum = None
-        if self.is_int8 and int8_uses_vnni():
+        if self.is_bf16:
+            self.packed, self.max_kernel_rows = pack_bf16_panels(rows), MAX_KERNEL_ROWS
+        elif self.is_int8 and int8_uses_vnni():
             self.packed, self.colsum = pack_vnni_panels(rows)  # [ceil(out/8), ceil(in/4), 8, 4], [out]
             self.max_kernel_rows = MAX_VNNI_KERNEL_ROWS
         else:  # [ceil(out/width), in, width]: 8 columns for int8, 32 for float32 on AVX-512 builds
@@ -233,6 +259,8 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
         rows = x.numel() // self.in_features
         chunked = rows > self.max_kernel_rows and self.chunk_long_passes
+        if self.is_bf16:
+            return self._bf16_forward(x, rows)
         if rows == 0 or (rows > self.max_kernel_rows and not chunked) or x.dtype != torch.float32 or x.requires_grad:
             return self.source(x) if self.is_int8 else nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
@@ -240,6 +268,23 @@ class PanelLinear(nn.Module):
         for first in range(0, rows, self.max_kernel_rows):
             self._kernel(flat[first : first + self.max_kernel_rows], out[first : first + self.max_kernel_rows])
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _bf16_forward(self, x: torch.Tensor, rows: int) -> torch.Tensor:  # x: [..., in_features]
+        """bfloat16 weights: up to ``max_kernel_rows`` rows (every decoding pass) through the kernel, the
+        activations rounded to bfloat16 once (as a bfloat16 model holds them anyway) and float32 sums
+        out, returned in x's dtype; longer passes (prompt prefill) and gradients go to PyTorch's product."""
+        if rows == 0 or rows > self.max_kernel_rows or x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad:
+            return nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        pairs = x.reshape(rows, self.in_features).to(torch.bfloat16)
+        if self.in_features % 2:  # the kernel reads pairs of inputs; the padded weight column is zero
+            pairs = nn.functional.pad(pairs, (0, 1))
+        pairs = pairs.contiguous()
+        out = torch.empty(rows, self.out_features)
+        bias = None if self.kernel_bias is None else self.kernel_bias.data_ptr()
+        panel_library().verispec_panel_linear_bf16(
+            pairs.data_ptr(), rows, pairs.shape[1] // 2, self.packed.data_ptr(), self.out_features, bias, out.data_ptr(), torch.get_num_threads()
+        )
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def _kernel(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """out # [rows, out_features] = flat # [rows, in_features] (contiguous, rows <= max_kernel_rows) @ weight.T + bias."""
@@ -257,7 +302,7 @@ class PanelLinear(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        kind = ("int8, 8-bit dot products" if self.colsum is not None else "int8") if self.is_int8 else "float32"
+        kind = ("int8, 8-bit dot products" if self.colsum is not None else "int8") if self.is_int8 else "bfloat16" if self.is_bf16 else "float32"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, kernel up to {self.max_kernel_rows} rows"
 
 
@@ -274,11 +319,16 @@ def panel_or_same(module: nn.Module) -> nn.Module:
 def use_panel_kernels(model: nn.Module, chunk_long_passes: bool = False) -> nn.Module:
     """Replace every float32 ``nn.Linear`` (or oneDNN :class:`PackedLinear`, whose packed copy is
     then released) in ``model`` by :class:`PanelLinear` (in place, a module swap on this instance as
-    torch's own quantisation does; no class is modified). ``chunk_long_passes``: see
+    torch's own quantisation does; no class is modified); bfloat16 ones too where the kernels have
+    bfloat16 dot products (:func:`bf16_kernels_available`). ``chunk_long_passes``: see
     :class:`PanelLinear`. Raises RuntimeError naming the reason if the kernels cannot run here."""
     reason = panel_kernels_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"panel kernels unavailable: {reason}")
-    for parent, name, child in float32_linear_sites(model, (nn.Linear, PackedLinear)):
+    sites = float32_linear_sites(model, (nn.Linear, PackedLinear))
+    if bf16_kernels_available():
+        sites += [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+                  if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
+    for parent, name, child in sites:
         setattr(parent, name, PanelLinear(child, chunk_long_passes))
     return model

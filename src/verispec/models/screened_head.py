@@ -60,7 +60,7 @@ class ScreenedArgmaxHead:
     """Greedy logits of a float32 :class:`PanelLinear` LM head: exact where they can be the argmax, -inf elsewhere."""
 
     def __init__(self, head: PanelLinear) -> None:
-        if not isinstance(head, PanelLinear) or head.is_int8:
+        if not isinstance(head, PanelLinear) or head.is_int8 or head.is_bf16:
             raise ValueError(f"ScreenedArgmaxHead takes a float32 PanelLinear LM head, got {type(head).__name__}")
         self.head = head
         weight = head.weight.detach()  # [vocab, K] float32, what the packed panels hold
@@ -97,7 +97,7 @@ class ScreenedArgmaxHead:
     def for_head(cls, head: nn.Module) -> "ScreenedArgmaxHead | None":
         """One screen per LM-head module (the int8 copy is built once), or None if ``head`` is not a
         float32 :class:`PanelLinear` (then callers compute the full head)."""
-        if not isinstance(head, PanelLinear) or head.is_int8:
+        if not isinstance(head, PanelLinear) or head.is_int8 or head.is_bf16:
             return None
         screen = _SHARED.get(head)
         if screen is None:
