@@ -12,7 +12,7 @@ from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.drafters.base import DraftContext, propose_batch
 from verispec.drafters.combined import lookup_then_model
 from verispec.engine.lean_lm import _groups, target_lm
-from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
+from verispec.models.panel_linear import bf16_kernels_available, f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.serving import BatchedTarget, BatchGammaPolicy, GenerationRequest, LeanBatchedTarget, Scheduler, SchedulerConfig
 from verispec.serving.scheduler import batched_target
 
@@ -87,6 +87,16 @@ def test_rows_sharing_passes_compute_exactly_what_they_compute_alone(panel_targe
             _same(features, want_features)
             _same(logits, want_logits)
             torch.testing.assert_close(masked_features, want_features, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or not bf16_kernels_available(), reason="the bfloat16 kernels need an AVX512-BF16 CPU")
+def test_a_bfloat16_target_batches_on_the_lean_forward_bit_for_bit():
+    # --target-dtype bfloat16 in serve: the same fused stack on bfloat16 panels, every row as alone.
+    target = use_panel_kernels(tiny_target().bfloat16())
+    batched = _batched(LeanBatchedTarget(target), target)
+    for name in PROMPTS:
+        for (want_logits, want_features), (logits, features) in zip(_alone(target, name), batched[name]):
+            assert torch.equal(features, want_features) and torch.equal(logits, want_logits)
 
 
 def test_more_rows_than_one_kernel_call_takes_run_in_several_calls(panel_target, monkeypatch):
