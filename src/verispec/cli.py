@@ -126,7 +126,7 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
 
         if bf16_kernels_available():  # twice float32's multiply-adds per instruction, half the bytes: no contest to time
             use_panel_kernels(target.model)
-            used = "panel (bfloat16 dot products)"
+            used = "panel (bfloat16 dot products)" + (" instead of packed (oneDNN packing here is float32 only)" if kernels == "packed" else "")
         else:
             used = "dense (this CPU or build lacks AVX512-BF16 for the bfloat16 few-row kernels)"
         print(f"verispec: target kernels: {used}", file=sys.stderr)
