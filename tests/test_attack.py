@@ -124,3 +124,17 @@ def test_stressed_prompts_cover_every_prompt_and_stressor_in_order():
     assert parse_stressors("attack, clean,attack") == ["attack", "clean"]
     with pytest.raises(ValueError, match="--stressors"):
         parse_stressors("clean,loud")
+
+
+def test_the_attack_benchmarks_with_its_decoding_and_kernel_options():
+    from pathlib import Path
+
+    from verispec.attack_cli import _bench_argv
+    from verispec.cli import _build_parser
+
+    args = _build_parser().parse_args(["attack", "--target-dtype", "bfloat16", "--target-kernels", "dense", "--threads", "2"])
+    argv = _bench_argv(args, Path("stressed.jsonl"), Path("out"))
+    assert argv[:5] == ["bench", "--prompts", "stressed.jsonl", "--out", "out"]
+    for option, value in (("--target-dtype", "bfloat16"), ("--target-kernels", "dense"), ("--threads", "2")):
+        assert argv[argv.index(option) + 1] == value
+    assert _build_parser().parse_args(argv).target_dtype == "bfloat16"  # a valid bench command

@@ -190,6 +190,23 @@ def test_target_dtype_serves_the_target_in_that_precision_with_the_same_text_eit
     assert ("target panel, bfloat16 (auto's choice here)" if bf16_kernels_available() else "target dense (auto's choice here)") in out
 
 
+def test_target_dtype_bfloat16_without_the_kernels_runs_pytorchs_and_says_so(tiny_gguf, capsys, monkeypatch):
+    from verispec.engine import lean_lm
+    from verispec.models import panel_linear
+
+    common = ["generate", "--target", tiny_gguf, "--target-dtype", "bfloat16", "--max-new-tokens", "10", "--raw", "hello the"]
+    assert main([*common, "--drafter", "none", "--target-kernels", "dense"]) == 0
+    dense = capsys.readouterr().out  # PyTorch's bfloat16 kernels under transformers' forward
+    for module in (panel_linear, lean_lm):
+        monkeypatch.setattr(module, "bf16_kernels_available", lambda: False)
+    assert main([*common, "--drafter", "none"]) == 0
+    plain, err = capsys.readouterr()
+    assert "target kernels: dense (this CPU or build lacks AVX512-BF16" in err
+    assert plain == dense
+    assert main([*common, "--drafter", "draft-model", "--draft", tiny_gguf]) == 0
+    assert capsys.readouterr().out == plain
+
+
 def test_compare_refuses_no_drafter(tiny_gguf, capsys):
     assert main(["compare", "--target", tiny_gguf, "--drafter", "none", "x"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
