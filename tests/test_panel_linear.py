@@ -334,3 +334,16 @@ def test_bf16_target_on_the_kernels_keeps_its_own_greedy_output():
     # The same tokens PyTorch's bfloat16 products give (to rounding: no near-tie in this tiny model).
     reference = SpeculativeDecoder(tiny_target().bfloat16()).generate([1, 2, 3], 40, stop=[])
     assert reference.token_ids == plain.token_ids
+
+
+@needs_bf16
+@pytest.mark.parametrize("panel_kernels", [True, False])
+def test_a_bfloat16_draft_model_drafts_on_the_lean_forward(panel_kernels):
+    # A bfloat16 draft (Python API) takes the lean forward too: its products on the bfloat16 kernels
+    # whatever panel_kernels says (the lean activations are float32); the output stays the target's.
+    target = tiny_target()
+    drafter = DraftModel(noisy_copy(target, 0.1).bfloat16(), panel_kernels=panel_kernels)
+    assert drafter.lean_decoder is not None and drafter.lean_decoder.fused is not None
+    plain = SpeculativeDecoder(target).generate([1, 2, 3], 30, stop=[])
+    result = SpeculativeDecoder(target, drafter, gamma=4).generate([1, 2, 3], 30, stop=[])
+    assert result.token_ids == plain.token_ids and sum(result.stats.accepted_per_round) > 0

@@ -80,7 +80,9 @@ class DraftModel:
         use_lean = lean if lean is not None else lean_unsupported_reason(self.model) is None
         # raises naming the reason if lean=True cannot work
         self.lean_decoder = LeanDecoder.shared(self.model, panel_kernels) if use_lean else None
-        if panel_kernels:
+        bf16_head = not is_quantized(self.lm_head) and self.lm_head.weight.dtype == torch.bfloat16
+        if panel_kernels or (self.lean_decoder is not None and bf16_head):
+            # (a bfloat16 head on the lean forward's float32 features: our kernels, as its products)
             self.lm_head = panel_or_same(self.lm_head)
 
     def _special_ids(self) -> list[int]:

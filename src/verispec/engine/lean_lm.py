@@ -128,7 +128,8 @@ class LeanDecoder:
     """The decoder stack of ``model``, built once per model and shared by every sequence's :class:`LeanLM`.
 
     ``panel_kernels``: run the products through :class:`~verispec.models.panel_linear.PanelLinear`
-    where the kernels run here (default), else PyTorch's (float32 or fbgemm int8) kernels.
+    where the kernels run here (default), else PyTorch's (float32 or fbgemm int8) kernels; a
+    bfloat16 model's products run the bfloat16 panel kernels either way.
     """
 
     def __init__(self, model: nn.Module, panel_kernels: bool = True) -> None:
@@ -136,7 +137,10 @@ class LeanDecoder:
         if reason is not None:
             raise ValueError(f"the lean forward cannot run this model: {reason}")
         self.panel_kernels = panel_kernels
-        fast = panel_or_same if panel_kernels else (lambda module: module)
+        # bfloat16 weights always take our kernels: the lean forward's activations are float32,
+        # which PyTorch's bfloat16 products do not take.
+        bf16 = next(model.parameters()).dtype == torch.bfloat16
+        fast = panel_or_same if panel_kernels or bf16 else (lambda module: module)
         config = model.config.get_text_config(decoder=True)
         body = model.get_decoder()
         self.num_heads = config.num_attention_heads

@@ -356,9 +356,6 @@ static inline void for_panel_chunks(int64_t M, int64_t N, int64_t K, float* y, i
   }
 }
 
-// One product y (+)= x . W^T * scale + bias, y with row stride ldy (0: N). The VNNI int8 path first
-// quantises x into q (one thread; the others wait at the barrier; skipped when q already holds this
-// x) and undoes the +128 activation offset with the column sums.
 // The weights a product (and the lean stack) multiplies by: float32, int8 or bfloat16 panels.
 enum WeightKind { F32_WEIGHTS = 0, INT8_WEIGHTS = 1, BF16_WEIGHTS = 2 };
 
@@ -387,13 +384,17 @@ static void bf16_pairs(const float* x, int64_t M, int64_t K, uint32_t* pairs) {
 }
 #endif
 
+// One product y (+)= x . W^T * scale + bias, y with row stride ldy (0: N). The VNNI int8 path first
+// quantises x into q (one thread; the others wait at the barrier; skipped when q already holds this
+// x) and undoes the +128 activation offset with the column sums; the bfloat16 path rounds x into q
+// as bfloat16 pairs the same way.
 template <int KIND, bool ACCUMULATE = false>
 static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* y, Quantized q, int64_t ldy = 0, bool x_quantized = false) {
   constexpr bool INT8 = KIND == INT8_WEIGHTS;
   const int64_t N = w.N, K = w.K;
   ldy = ldy ? ldy : N;
 #if BF16
-  if (KIND == BF16_WEIGHTS) {  // x rounded to bfloat16 pairs once (one thread; the others wait at the barrier)
+  if (KIND == BF16_WEIGHTS) {
     const int64_t K2 = (K + 1) / 2, panel_words = K2 * 2 * F32_PANEL;
     const uint32_t* pairs = (const uint32_t*)q.xq;
     if (!x_quantized) {

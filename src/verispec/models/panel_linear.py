@@ -308,10 +308,12 @@ class PanelLinear(nn.Module):
 
 def panel_or_same(module: nn.Module) -> nn.Module:
     """``module`` as a :class:`PanelLinear` if the kernels run here and it is a float32 or int8
-    linear layer; else ``module`` itself."""
+    linear layer (or a bfloat16 one, where the bfloat16 kernels run); else ``module`` itself."""
     if isinstance(module, PanelLinear) or panel_kernels_unavailable_reason() is not None:
         return module
     if is_quantized(module) or (isinstance(module, nn.Linear) and module.weight.dtype == torch.float32):
+        return PanelLinear(module)
+    if isinstance(module, nn.Linear) and module.weight.dtype == torch.bfloat16 and bf16_kernels_available():
         return PanelLinear(module)
     return module
 
