@@ -245,6 +245,12 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     # The default head path is where `eagle train` put it; generate and costs find it there.
     assert main(["generate", *common, "--drafter", "eagle", "--max-new-tokens", "8", "hello"]) == 0
     assert "8 tokens" in capsys.readouterr().err
+    # The same head drafts for the target served in bfloat16 (its fingerprint is taken in bfloat16).
+    bf16 = ["generate", *common, "--target-dtype", "bfloat16", "--max-new-tokens", "8", "--raw", "hello"]
+    assert main([*bf16, "--drafter", "none"]) == 0
+    plain = capsys.readouterr().out
+    assert main([*bf16, "--drafter", "eagle"]) == 0
+    assert capsys.readouterr().out == plain
     assert main(["costs", *common, "--draft", "none", "--context", "8", "--tokens", "1,3", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "eagle, 50 vocab" in out and "eagle int8, 50 vocab" in out and "eagle, full vocab" in out

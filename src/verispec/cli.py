@@ -44,7 +44,7 @@ def target_dtype(args: argparse.Namespace):  # noqa: ANN201 - torch.dtype (torch
     """The torch dtype --target-dtype names (float32 for commands without the option)."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[getattr(args, "target_dtype", "float32")]
+    return getattr(torch, getattr(args, "target_dtype", "float32"))  # one of TARGET_DTYPES, checked by argparse
 
 
 def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | None = None) -> None:
