@@ -30,6 +30,7 @@ import torch
 from verispec.bench.methods import lookup_drafter, parse_variant
 from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.combined import lookup_then_model
+from verispec.drafters.draft_model import round_stops
 from verispec.engine.gamma import AdaptiveGamma, StepCosts
 from verispec.sampling import SamplingParams
 
@@ -123,9 +124,7 @@ class _TraceSession:
                 break
             tokens.append(token)
             path_prob *= token_prob
-            if self.confidence_threshold is not None and token_prob < self.confidence_threshold:
-                break
-            if self.path_confidence is not None and path_prob < self.path_confidence:
+            if round_stops(token_prob, path_prob, self.confidence_threshold, self.path_confidence):
                 break
         return Proposal(tokens=tokens, probs=None, num_forward_passes=len(tokens))
 

@@ -10,7 +10,7 @@ import torch
 from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.draft_vocab import full_vocab_probs, leading_token_ids, reduced_lm_head
 from verispec.engine.cached_lm import CachedLM
-from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_unsupported_reason, next_logits_many
+from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_product, lean_unsupported_reason, next_logits_many
 from verispec.modelref import unwrap_model
 from verispec.models.panel_linear import panel_or_same
 from verispec.models.quantize import is_quantized
@@ -80,9 +80,9 @@ class DraftModel:
         use_lean = lean if lean is not None else lean_unsupported_reason(self.model) is None
         # raises naming the reason if lean=True cannot work
         self.lean_decoder = LeanDecoder.shared(self.model, panel_kernels) if use_lean else None
-        bf16_head = not is_quantized(self.lm_head) and self.lm_head.weight.dtype == torch.bfloat16
-        if panel_kernels or (self.lean_decoder is not None and bf16_head):
-            # (a bfloat16 head on the lean forward's float32 features: our kernels, as its products)
+        if self.lean_decoder is not None:  # the head reads the lean forward's features: its products' rule
+            self.lm_head = lean_product(self.lm_head, panel_kernels)
+        elif panel_kernels:
             self.lm_head = panel_or_same(self.lm_head)
 
     def _special_ids(self) -> list[int]:
@@ -115,6 +115,14 @@ class DraftModelSettings:
             model, name=name, confidence_threshold=self.confidence_threshold, draft_vocab=self.draft_vocab, lean=self.lean,
             panel_kernels=self.panel_kernels, path_confidence=self.path_confidence,
         )
+
+
+def round_stops(token_prob: float, path_prob: float, confidence_threshold: float | None, path_confidence: float | None) -> bool:
+    """Whether a draft-model round ends after a token of probability ``token_prob`` (``path_prob``:
+    the round's tokens' so far): :class:`DraftModel`'s two stop rules (None: that rule is off)."""
+    if confidence_threshold is not None and token_prob < confidence_threshold:
+        return True
+    return path_confidence is not None and path_prob < path_confidence
 
 
 class DraftModelSession:
@@ -184,10 +192,7 @@ class DraftModelSession:
         return (index if self.vocab_ids is None else int(self.vocab_ids[index])), token_prob, full
 
     def _stops(self, token_prob: float, path_prob: float) -> bool:
-        """Whether the round ends after a token of this probability (``path_prob``: the round's so far)."""
-        if self.confidence_threshold is not None and token_prob < self.confidence_threshold:
-            return True
-        return self.path_confidence is not None and path_prob < self.path_confidence
+        return round_stops(token_prob, path_prob, self.confidence_threshold, self.path_confidence)
 
     def close(self) -> None:
         self.lm.release()

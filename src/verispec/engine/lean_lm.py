@@ -27,6 +27,7 @@ rounding. Tests check it against the model's own forward.
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,14 @@ def lean_unsupported_reason(model: nn.Module) -> str | None:
         if not all(isinstance(module, (nn.Linear, PanelLinear)) or is_quantized(module) for module in linears):
             return "its linear layers are replaced (e.g. packed kernels); the lean forward reads nn.Linear, int8 Linear or PanelLinear"
     return None
+
+
+def lean_product(module: nn.Module, panel_kernels: bool) -> nn.Module:
+    """How a linear layer runs in the lean forward: our kernels (:func:`panel_or_same`) with
+    ``panel_kernels``, else as it is — except bfloat16 layers, which always take our kernels: the lean
+    forward's activations are float32, which PyTorch's bfloat16 products do not take."""
+    bf16 = isinstance(module, nn.Linear) and module.weight.dtype == torch.bfloat16
+    return panel_or_same(module) if panel_kernels or bf16 else module
 
 
 def _runs_panel_kernels(model: nn.Module) -> bool:
@@ -137,10 +146,7 @@ class LeanDecoder:
         if reason is not None:
             raise ValueError(f"the lean forward cannot run this model: {reason}")
         self.panel_kernels = panel_kernels
-        # bfloat16 weights always take our kernels: the lean forward's activations are float32,
-        # which PyTorch's bfloat16 products do not take.
-        bf16 = next(model.parameters()).dtype == torch.bfloat16
-        fast = panel_or_same if panel_kernels or bf16 else (lambda module: module)
+        fast = functools.partial(lean_product, panel_kernels=panel_kernels)
         config = model.config.get_text_config(decoder=True)
         body = model.get_decoder()
         self.num_heads = config.num_attention_heads

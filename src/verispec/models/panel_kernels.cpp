@@ -120,13 +120,28 @@ static void chunk_rows(int rows, const float* x, int64_t K, const void* panel, f
 //
 // k0..k1: one block of the k range; a block after the first continues the sums left in out, so a
 // product split into k blocks performs every output's chain of FMAs exactly as one pass does.
+// A 32-column panel's sums for ROWS rows, two zmm a row: zero at the first k block, else continued
+// from what the previous block left in out [ROWS][32]; and stored back there.
 template <int ROWS>
-static inline __attribute__((always_inline)) void wide_rows(const float* x, int64_t K, const float* panel, float* out, int64_t k0, int64_t k1) {
-  __m512 acc[2][ROWS];
+static inline __attribute__((always_inline)) void start_sums(__m512 (&acc)[2][ROWS], const float* out, int64_t k0) {
   for (int m = 0; m < ROWS; ++m) {
     acc[0][m] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * F32_PANEL);
     acc[1][m] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * F32_PANEL + 16);
   }
+}
+
+template <int ROWS>
+static inline __attribute__((always_inline)) void store_sums(const __m512 (&acc)[2][ROWS], float* out) {
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_storeu_ps(out + m * F32_PANEL, acc[0][m]);
+    _mm512_storeu_ps(out + m * F32_PANEL + 16, acc[1][m]);
+  }
+}
+
+template <int ROWS>
+static inline __attribute__((always_inline)) void wide_rows(const float* x, int64_t K, const float* panel, float* out, int64_t k0, int64_t k1) {
+  __m512 acc[2][ROWS];
+  start_sums<ROWS>(acc, out, k0);
   for (int64_t k = k0; k < k1; ++k) {
     const float* line = panel + k * F32_PANEL;
     _mm_prefetch((const char*)line + PREFETCH_BYTES, _MM_HINT_T2);
@@ -138,10 +153,7 @@ static inline __attribute__((always_inline)) void wide_rows(const float* x, int6
       acc[1][m] = _mm512_fmadd_ps(w1, b, acc[1][m]);
     }
   }
-  for (int m = 0; m < ROWS; ++m) {
-    _mm512_storeu_ps(out + m * F32_PANEL, acc[0][m]);
-    _mm512_storeu_ps(out + m * F32_PANEL + 16, acc[1][m]);
-  }
+  store_sums<ROWS>(acc, out);
 }
 
 // kernel(std::integral_constant<int, ROWS>) for rows 1..12 (12 for more): one instantiation per row count.
@@ -184,10 +196,7 @@ static void f32_chunk_rows(int rows, const float* x, int64_t K, const float* pan
 template <int ROWS>
 static inline __attribute__((always_inline)) void bf16_rows(const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
   __m512 acc[2][ROWS];
-  for (int m = 0; m < ROWS; ++m) {
-    acc[0][m] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * F32_PANEL);
-    acc[1][m] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * F32_PANEL + 16);
-  }
+  start_sums<ROWS>(acc, out, k0);
   for (int64_t k = k0; k < k1; ++k) {
     const uint16_t* line = panel + k * 2 * F32_PANEL;
     _mm_prefetch((const char*)line + PREFETCH_BYTES, _MM_HINT_T2);
@@ -199,10 +208,7 @@ static inline __attribute__((always_inline)) void bf16_rows(const uint32_t* x, i
       acc[1][m] = _mm512_dpbf16_ps(acc[1][m], w1, b);
     }
   }
-  for (int m = 0; m < ROWS; ++m) {
-    _mm512_storeu_ps(out + m * F32_PANEL, acc[0][m]);
-    _mm512_storeu_ps(out + m * F32_PANEL + 16, acc[1][m]);
-  }
+  store_sums<ROWS>(acc, out);
 }
 
 static void bf16_chunk_rows(int rows, const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
