@@ -113,6 +113,10 @@ def test_cli_records_traces_once_and_replays_settings(tmp_path, capsys, monkeypa
 
     monkeypatch.setattr(verispec.models, "load_model", lambda *a, **k: pytest.fail("traces should be reused"))
     assert main(args) == 0
+    # ...but not for the target served in another precision: its answers differ.
+    monkeypatch.setattr(verispec.models, "load_model", lambda *a, **k: pytest.fail("recording again"))
+    with pytest.raises(pytest.fail.Exception, match="recording again"):
+        main([*args, "--target-dtype", "bfloat16"])
     assert main([*args[:-2], "--settings", "eagle", "--out", str(tmp_path / "out")]) == 2
     assert "replay takes draft-model" in capsys.readouterr().err
     assert main([*args, "--first", "-1"]) == 2

@@ -106,7 +106,8 @@ def _replay(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     traces_path = args.traces or args.out / "traces.json"
-    key = {"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens, "format": TRACE_FORMAT}
+    # The served target's dtype is part of what it answers: a bfloat16 target's greedy text differs.
+    key = {"target": args.target, "target_dtype": args.target_dtype, "draft": args.draft, "max_new_tokens": args.max_new_tokens, "format": TRACE_FORMAT}
     stored = json.loads(traces_path.read_text()) if traces_path.exists() else {}
     traces = {t["prompt_id"]: DraftTrace(**t) for t in stored.get("traces", [])} if {k: stored.get(k) for k in key} == key else {}
     missing = [p for p in prompts if p.id not in traces]
