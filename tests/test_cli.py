@@ -262,6 +262,35 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert searched["surrogate"] == "eagle" and len(searched["suffix"]) == 2 and 0 <= searched["expected_acceptance"] <= 1
 
 
+def test_eagle_pipeline_on_a_bfloat16_target(tiny_gguf, tmp_path, capsys):
+    """`eagle build --target-dtype bfloat16`: shards record the precision; features match float32's
+    to bfloat16 rounding; a resumed run in another precision is refused, not mixed in."""
+    from safetensors.torch import load_file
+
+    common = ["--target", tiny_gguf, "--cache-dir", str(tmp_path / "bf16")]
+    build = ["--max-tokens", "300", "--max-seq-len", "200", "--answer-tokens", "40", "--answer-batch", "2", "--answer-max-new-tokens", "6",
+             "--epochs", "1", "--tokens-per-step", "200", "--intermediate-size", "16", "--draft-vocab", "50"]  # fmt: skip
+    assert main(["eagle", "build", *common, "--target-dtype", "bfloat16", *build]) == 0
+    assert "head.safetensors" in capsys.readouterr().err
+    features_dir = next((tmp_path / "bf16" / "eagle").glob("*/features"))
+    assert json.loads((features_dir / "manifest.json").read_text())["target_dtype"] == "bfloat16"
+    assert json.loads((features_dir.parent / "answers" / "manifest.json").read_text())["target_dtype"] == "bfloat16"
+    assert main(["eagle", "extract", "--target", tiny_gguf, "--cache-dir", str(tmp_path / "f32"), "--max-tokens", "300", "--max-seq-len", "200"]) == 0
+    float32_dir = next((tmp_path / "f32" / "eagle").glob("*/features"))
+    half, full = load_file(features_dir / "shard-00000.safetensors"), load_file(float32_dir / "shard-00000.safetensors")
+    assert torch.equal(half["tokens"], full["tokens"])
+    scale = full["features"].float().abs().mean()
+    assert (half["features"].float() - full["features"].float()).abs().mean() < 0.05 * scale  # the same features, computed in bf16
+    # Resuming the bfloat16 directory with a float32 target would mix precisions: refused, nothing written.
+    shards = sorted(features_dir.iterdir())
+    assert main(["eagle", "extract", *common, "--max-tokens", "600", "--max-seq-len", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "target_dtype='bfloat16'" in err and "'float32'" in err and "Traceback" not in err
+    assert sorted(features_dir.iterdir()) == shards
+    assert main(["eagle", "eval", *common, "--target-dtype", "bfloat16", "--num-prompts", "1", "--max-new-tokens", "6", "--gamma", "3"]) == 0
+    assert "tau" in capsys.readouterr().out
+
+
 def test_eagle_drafter_without_a_head_is_a_clear_error(tiny_gguf, tmp_path, capsys):
     assert main(["generate", "--target", tiny_gguf, "--drafter", "eagle", "--eagle-head", str(tmp_path / "none.safetensors"), "x"]) == 2
     err = capsys.readouterr().err

@@ -242,6 +242,44 @@ def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind)
     assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
 
 
+def _served_first_two(model, prompt, sampling):
+    """P(t1, t2) from the target as the engine serves it (its own passes, e.g. the lean bfloat16 forward)."""
+    from verispec.engine.lean_lm import target_lm
+
+    lm = target_lm(model)
+    try:
+        first = logits_to_probs(lm.extend(prompt, num_logits=1).logits[-1], sampling)
+        table = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
+        for t1 in range(SMALL_VOCAB):
+            lm.crop(len(prompt))
+            table[t1] = first[t1] * logits_to_probs(lm.extend([t1], num_logits=1).logits[-1], sampling)
+    finally:
+        lm.release()
+    return table
+
+
+def _bf16_kernels_missing():
+    from verispec.models.panel_linear import bf16_kernels_available, panel_kernels_unavailable_reason
+
+    return panel_kernels_unavailable_reason() is not None or not bf16_kernels_available()
+
+
+@pytest.mark.skipif(_bf16_kernels_missing(), reason="the bfloat16 kernels need an AVX512-BF16 CPU")
+def test_sampling_from_a_bfloat16_target_follows_its_own_distribution():
+    # --target-dtype bfloat16: exactness is relative to the target actually served (bf16 weights on our
+    # kernels, the lean forward), so speculative samples must follow ITS distribution.
+    from verispec.models.panel_linear import use_panel_kernels
+
+    target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5).bfloat16()
+    use_panel_kernels(target)
+    prompt, sampling = [1, 3, 2, 1, 3, 2, 1], SamplingParams(temperature=0.9, top_p=0.9)
+    expected = _served_first_two(target, prompt, sampling)
+    drafter = DraftModel(noisy_copy(tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5), noise=0.5, seed=9))
+    counts, accepted = _sample_first_two(SpeculativeDecoder(target, drafter, gamma=2), prompt, sampling, RUNS)
+    assert 0.1 * RUNS < accepted < RUNS
+    assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
 

@@ -22,6 +22,11 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
         sub.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
 
+    def dtype_option(sub: argparse.ArgumentParser) -> None:
+        from verispec.cli import TARGET_DTYPES
+
+        sub.add_argument("--target-dtype", choices=list(TARGET_DTYPES), default="float32", help="precision the target runs in: float32 (default) or bfloat16 (features are stored in bfloat16 either way; a bfloat16 target computes them ~2.6x faster on CPUs with AVX512-BF16, and a head trained on them drafts for either precision: the fingerprint reads the weights rounded to bfloat16)")
+
     def sequence_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--max-seq-len", type=int, default=1024, help="tokens per training sequence at most (default 1024)")
         sub.add_argument("--corpus-seed", type=int, default=0, help="order of the standard-library modules and requests (default 0)")
@@ -63,11 +68,11 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         add_far_memory_options(sub)
 
     steps_table = (
-        ("extract", "run the frozen target over the standard-library corpus; save (tokens, features) shards; resumable", _extract, (sequence_options, extract_options)),
-        ("answers", "record the target's own answers to stdlib coding requests with their features; resumable", _answers, (sequence_options, answer_options)),
+        ("extract", "run the frozen target over the standard-library corpus; save (tokens, features) shards; resumable", _extract, (dtype_option, sequence_options, extract_options)),
+        ("answers", "record the target's own answers to stdlib coding requests with their features; resumable", _answers, (dtype_option, sequence_options, answer_options)),
         ("train", "train a head on extracted features (SmoothL1 + 0.1 CE, cosine LR); resumable from its checkpoint", _train, (train_inputs, train_options)),
-        ("build", "extract + answers + train with the defaults: the head `--drafter eagle` uses (~2 h for the built-in target)", _build, (sequence_options, extract_options, answer_options, train_options)),
-        ("eval", "tau and alpha of a head on held-back prompts (HumanEval, never in the training corpus)", _eval, (eval_options,)),
+        ("build", "extract + answers + train with the defaults: the head `--drafter eagle` uses (~2 h for the built-in target)", _build, (dtype_option, sequence_options, extract_options, answer_options, train_options)),
+        ("eval", "tau and alpha of a head on held-back prompts (HumanEval, never in the training corpus)", _eval, (dtype_option, eval_options)),
     )  # fmt: skip
     for name, help_text, handler, option_groups in steps_table:
         sub = steps.add_parser(name, help=help_text)
@@ -88,11 +93,12 @@ def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
 def _setup(args: argparse.Namespace):  # noqa: ANN202 - the loaded target
     import torch
 
+    from verispec.cli import target_dtype
     from verispec.models import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    return load_model(args.target, cache_dir=args.cache_dir)
+    return load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
 
 
 def _extract_settings(args: argparse.Namespace):  # noqa: ANN202
@@ -157,7 +163,8 @@ def _run_train(args: argparse.Namespace, target) -> None:  # noqa: ANN001
     from verispec.drafters.eagle.train import train_head
 
     features_dir, answers_dir, head_path = _paths(args)
-    dirs = args.features or [path for path in (features_dir, answers_dir) if (path / "manifest.json").exists()]
+    # (build has no --features: it trains on the default directories it has just filled)
+    dirs = getattr(args, "features", None) or [path for path in (features_dir, answers_dir) if (path / "manifest.json").exists()]
     if not dirs:
         raise FileNotFoundError(f"no features in {features_dir} or {answers_dir}: run `verispec eagle extract` / `verispec eagle answers` first")
     result = train_head(target, dirs, head_path, _train_settings(args))

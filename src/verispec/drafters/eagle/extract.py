@@ -161,12 +161,16 @@ def _open_manifest(out: Path, target, settings: ExtractSettings, corpus_name: st
         "target": target.name,
         "target_fingerprint": target_fingerprint(target.model),
         "hidden_size": target.model.config.get_text_config(decoder=True).hidden_size,
+        # Recorded so one directory never mixes precisions (features from either drafts alike, but a
+        # resumed run should not silently switch); manifests from before the option are float32.
+        "target_dtype": str(target.model.dtype).removeprefix("torch."),
         "max_seq_len": settings.max_seq_len,
         "corpus": corpus_name,
     }
     path = out / MANIFEST
     if path.exists():
         manifest = json.loads(path.read_text())
+        manifest.setdefault("target_dtype", "float32")
         for key, value in identity.items():
             if manifest.get(key) != value:
                 raise ValueError(f"{out} holds features with {key}={manifest.get(key)!r}, this run has {value!r}: move that directory away or use another --cache-dir")
