@@ -98,9 +98,19 @@ def test_bench_end_to_end_writes_results_report_and_plots(tiny_gguf, prompts_fil
         if row["method"] in ("plain", "hf-plain"):
             assert row["target_calls"] == row["new_tokens"] == 8
     assert by_method["hf-plain"]["tokens_per_call"] == pytest.approx(1.0)
+    # Where the time went: ours from the engine's timers (parts within the wall-clock), none for Hugging Face.
+    assert by_method["hf-plain"]["time_split"] is None
+    for method in ("plain", "draft-model", "ngram"):
+        split, seconds = by_method[method]["time_split"], by_method[method]["seconds"]
+        assert split["prefill"] > 0 and split["verify"] > 0
+        assert split["target_calls"] == sum(r["target_calls"] for r in results["rows"] if r["method"] == method)
+        assert split["prefill"] + split["draft"] + split["verify"] + split["other"] == pytest.approx(seconds)
+    assert by_method["plain"]["time_split"]["draft"] == 0 and by_method["draft-model"]["time_split"]["draft"] > 0
+    assert "where the time went" in stdout
 
     report = (out / "report.md").read_text()
     assert "| method |" in report and "## Speed-up by category" in report and results["command"] in report
+    assert "## Where the time went" in report and "| ms / verify pass |" in report
     assert "includes the loaded target and draft models" in report
     for name in ["speedup_by_category.png", "acceptance_by_position.png"]:
         assert_valid_png(out / name)
@@ -478,6 +488,25 @@ def test_categories_report_tau_alpha_and_the_speedup_of_decoding_after_the_prefi
     header, table = category_detail_table(list(summarize(rows, ["plain", "spec"], greedy=True)), "plain")
     assert header == ["category", "plain", "spec"]
     assert table[0] == ["long-8192", "τ 1.00 α - decode 1.00x", "τ 2.50 α 0.67 decode 2.00x"]
+
+
+def test_time_split_sums_the_engine_timers_and_prices_a_pass():
+    from dataclasses import replace
+
+    from verispec.bench.report import time_split_table
+
+    rows = [
+        replace(row("p1", "spec", 10, 4.0, calls=4), prefill_seconds=1.0, draft_seconds=0.5, verify_seconds=2.0, draft_calls=5),
+        replace(row("p2", "spec", 10, 2.0, calls=2), prefill_seconds=0.5, draft_seconds=0.5, verify_seconds=0.9, draft_calls=5),
+        row("p1", "hf-plain", 10, 3.0),  # Hugging Face: no timers
+    ]  # fmt: skip
+    summaries = summarize(rows, ["spec", "hf-plain"], greedy=False)
+    split = summaries[0].time_split
+    assert (split.prefill, split.draft, split.verify, split.other) == (pytest.approx(1.5), 1.0, pytest.approx(2.9), pytest.approx(0.6))
+    assert (split.target_calls, split.draft_calls, summaries[1].time_split) == (6, 10, None)
+    header, table = time_split_table(summaries)
+    assert table == [["spec", "25% (1.5s)", "17% (1.0s)", "48% (2.9s)", "10% (0.6s)", "483", "100.0"]]  # HF left out
+    assert header[-2:] == ["ms / verify pass", "ms / draft pass"]
 
 
 def test_raw_prompts_skip_the_chat_template(tiny_gguf, prompts_file, tmp_path, capsys):

@@ -790,6 +790,10 @@ def _bench(args: argparse.Namespace) -> int:
             print(report.terminal_table(*report.category_table(summaries, baseline)))
             print(f"\ntau, alpha and decode speed-up (prefill excluded, median vs {baseline}) by category:")
             print(report.terminal_table(*report.category_detail_table(summaries, baseline)))
+        split_header, split_rows = report.time_split_table(summaries)
+        if split_rows:
+            print("\nwhere the time went (our methods, all runs):")
+            print(report.terminal_table(split_header, split_rows))
     state = "" if run.complete else f" (PARTIAL: {run.stopped_by})"
     print(f"\nresults{state}: {out_dir / 'results.json'}, {out_dir / 'report.md'}", file=sys.stderr)
     if isinstance(run.error, KeyboardInterrupt):

@@ -162,6 +162,8 @@ class RunOutput:
     drafted_per_round: list[int] | None = None
     accepted_per_round: list[int] | None = None
     prefill_seconds: float | None = None  # ours: the target's prompt prefill within ``seconds`` (None for Hugging Face)
+    draft_seconds: float | None = None  # ours: drafting within ``seconds``
+    verify_seconds: float | None = None  # ours: verification passes (and acceptance) within ``seconds``
 
 
 class Method(Protocol):
@@ -195,6 +197,8 @@ class OursMethod:
             drafted_per_round=list(stats.drafted_per_round),
             accepted_per_round=list(stats.accepted_per_round),
             prefill_seconds=stats.prefill_s,
+            draft_seconds=stats.draft_s,
+            verify_seconds=stats.verify_s,
         )
 
 

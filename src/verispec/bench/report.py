@@ -27,6 +27,13 @@ SPEEDUP_NOTE = (
     "token); both pooled over all rounds. Hugging Face methods do not expose their rounds: alpha n/a."
 )
 
+TIME_SPLIT_NOTE = (
+    "The engine's own timers, summed over every run of the method: the target's prompt prefill, drafting "
+    "(the drafter's catch-up on the tokens last committed included), verification (target passes over the "
+    "drafts, acceptance, cache crops) and the rest. ms / verify pass: verification seconds per target call; "
+    "ms / draft pass: drafting seconds per drafter forward pass (prompt lookup makes none)."
+)
+
 
 def machine_info() -> dict[str, Any]:
     import torch
@@ -125,6 +132,22 @@ def category_detail_table(summaries: Sequence[MethodSummary], baseline: str) -> 
     return ["category", *[s.method for s in summaries]], _category_rows(summaries, summaries, cell)
 
 
+def time_split_table(summaries: Sequence[MethodSummary]) -> tuple[list[str], list[list[str]]]:
+    """Where each of our methods' wall-clock went (share and seconds over all runs), and the mean
+    cost of one verification pass and of one drafter pass: what to work on next, per method."""
+    header = ["method", "prefill", "draft", "verify", "other", "ms / verify pass", "ms / draft pass"]
+    rows = []
+    for s in summaries:
+        split = s.time_split
+        if split is None or split.total <= 0:
+            continue
+        shares = [f"{part / split.total:.0%} ({part:.1f}s)" for part in (split.prefill, split.draft, split.verify, split.other)]
+        per_verify = f"{1000 * split.verify / split.target_calls:.0f}" if split.target_calls else "-"
+        per_draft = f"{1000 * split.draft / split.draft_calls:.1f}" if split.draft_calls else "-"
+        rows.append([s.method, *shares, per_verify, per_draft])
+    return header, rows
+
+
 def _category_rows(
     summaries: Sequence[MethodSummary], methods: Sequence[MethodSummary], cell: Callable[[CategorySummary | None], str]
 ) -> list[list[str]]:
@@ -178,6 +201,10 @@ def markdown_report(payload: dict[str, Any], summaries: Sequence[MethodSummary],
         out += [markdown_table(*category_table(summaries, baseline)), ""]
         out += [f"## τ, α and decode speed-up (prefill excluded, median vs {baseline}) by category", ""]
         out += [markdown_table(*category_detail_table(summaries, baseline)), ""]
+    split_header, split_rows = time_split_table(summaries)
+    if split_rows:
+        out += ["## Where the time went (our methods, all runs)", "", TIME_SPLIT_NOTE, ""]
+        out += [markdown_table(split_header, split_rows), ""]
     positions = [s for s in summaries if s.acceptance_by_position]
     if positions:
         longest = max(len(s.acceptance_by_position) for s in positions)

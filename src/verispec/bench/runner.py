@@ -50,6 +50,8 @@ class Row:
     accepted_per_round: list[int] | None
     token_ids: list[int]
     prefill_seconds: float | None = None  # the target's prompt prefill within ``seconds``; None: not observable (HF)
+    draft_seconds: float | None = None  # drafting within ``seconds`` (ours only)
+    verify_seconds: float | None = None  # verification passes within ``seconds`` (ours only)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -183,4 +185,6 @@ def _row(prompt: Prompt, turn: int, method: str, input_ids: list[int], output: R
         accepted_per_round=output.accepted_per_round,
         token_ids=output.token_ids,
         prefill_seconds=output.prefill_seconds,
+        draft_seconds=output.draft_seconds,
+        verify_seconds=output.verify_seconds,
     )

@@ -59,6 +59,36 @@ class MethodSummary:
     identical: Identical | None  # None: sampling, no reference in the run, or this is the reference
     peak_rss: int | None  # bytes, the whole process (models included)
     by_category: dict[str, CategorySummary]
+    # Where the wall-clock went (ours only; None for Hugging Face): seconds over all runs.
+    time_split: TimeSplit | None = None
+
+
+@dataclass
+class TimeSplit:
+    """A method's seconds over all its runs, by what the engine was doing (its own timers)."""
+
+    prefill: float  # the target's pass over the prompt
+    draft: float  # the drafter's proposals (its catch-up on committed tokens included)
+    verify: float  # target passes over drafts, acceptance and cache crops
+    other: float  # the rest: stop checks, bookkeeping
+    target_calls: int
+    draft_calls: int
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.draft + self.verify + self.other
+
+
+def time_split(rows: Sequence[Row]) -> TimeSplit | None:
+    """Sum the engine's timers over ``rows``; None if any row lacks them (Hugging Face's)."""
+    if not rows or any(row.prefill_seconds is None or row.draft_seconds is None or row.verify_seconds is None for row in rows):
+        return None
+    prefill = sum(row.prefill_seconds for row in rows)
+    draft = sum(row.draft_seconds for row in rows)
+    verify = sum(row.verify_seconds for row in rows)
+    other = max(0.0, sum(row.seconds for row in rows) - prefill - draft - verify)
+    calls = sum(row.target_calls for row in rows)
+    return TimeSplit(prefill, draft, verify, other, calls, sum(row.draft_calls or 0 for row in rows))
 
 
 def speedup(rows: Sequence[Row], method: str, baseline: str, decode_only: bool = False) -> SpeedUp | None:
@@ -113,6 +143,7 @@ def summarize(rows: Sequence[Row], methods: Sequence[str], greedy: bool, peak_rs
                 identical=_identical(rows, method, reference) if reference not in (None, method) else None,
                 peak_rss=peak_rss.get(method),
                 by_category=_by_category(rows, method, baselines),
+                time_split=time_split(own),
             )
         )
     return summaries
