@@ -29,7 +29,7 @@ SPEEDUP_NOTE = (
 
 TIME_SPLIT_NOTE = (
     "The engine's own timers, summed over every run of the method: the target's prompt prefill, drafting "
-    "(the drafter's catch-up on the tokens last committed included), verification (target passes over the "
+    "(the drafter's own pass over the prompt and its catch-up on the tokens last committed included), verification (target passes over the "
     "drafts, acceptance, cache crops) and the rest. ms / verify pass: verification seconds per target call; "
     "ms / draft pass: drafting seconds per drafter forward pass (prompt lookup makes none)."
 )

@@ -68,7 +68,7 @@ class TimeSplit:
     """A method's seconds over all its runs, by what the engine was doing (its own timers)."""
 
     prefill: float  # the target's pass over the prompt
-    draft: float  # the drafter's proposals (its catch-up on committed tokens included)
+    draft: float  # the drafter's proposals (its own pass over the prompt and catch-ups on committed tokens included)
     verify: float  # target passes over drafts, acceptance and cache crops
     other: float  # the rest: stop checks, bookkeeping
     target_calls: int
