@@ -490,6 +490,14 @@ def test_categories_report_tau_alpha_and_the_speedup_of_decoding_after_the_prefi
     assert table[0] == ["long-8192", "τ 1.00 α - decode 1.00x", "τ 2.50 α 0.67 decode 2.00x"]
 
 
+def test_peak_rss_growth_is_signed():
+    from verispec.bench.report import _rss_cell
+
+    assert _rss_cell(3 * 2**30, 3 * 2**30 - 5 * 2**20) == "3.00 GiB (+5 MiB)"
+    assert _rss_cell(3 * 2**30, 3 * 2**30 + 140 * 2**20) == "3.00 GiB (-140 MiB)"  # was "+-140 MiB"
+    assert _rss_cell(None, 1) == "n/a" and _rss_cell(2**30, None) == "1.00 GiB"
+
+
 def test_time_split_sums_the_engine_timers_and_prices_a_pass():
     from dataclasses import replace
 

@@ -254,7 +254,8 @@ def _identical_cell(summary: MethodSummary, reference: str | None) -> str:
 def _rss_cell(peak: int | None, before: int | None) -> str:
     if peak is None:
         return "n/a"
-    growth = f" (+{(peak - before) / 2**20:.0f} MiB)" if before is not None else ""
+    # Signed: the peak can sit below the RSS before the first run (memory freed after loading).
+    growth = f" ({(peak - before) / 2**20:+.0f} MiB)" if before is not None else ""
     return _gib(peak) + growth
 
 
