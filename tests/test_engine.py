@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
+from marks import needs_bf16
 from tiny_models import anti_copy, noisy_copy, tiny_target
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder, logits_to_probs
 from verispec.drafters import DraftContext, NgramDrafter, Proposal
@@ -258,13 +259,7 @@ def _served_first_two(model, prompt, sampling):
     return table
 
 
-def _bf16_kernels_missing():
-    from verispec.models.panel_linear import bf16_kernels_available, panel_kernels_unavailable_reason
-
-    return panel_kernels_unavailable_reason() is not None or not bf16_kernels_available()
-
-
-@pytest.mark.skipif(_bf16_kernels_missing(), reason="the bfloat16 kernels need an AVX512-BF16 CPU")
+@needs_bf16
 def test_sampling_from_a_bfloat16_target_follows_its_own_distribution():
     # --target-dtype bfloat16: exactness is relative to the target actually served (bf16 weights on our
     # kernels, the lean forward), so speculative samples must follow ITS distribution.

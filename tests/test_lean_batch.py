@@ -6,13 +6,14 @@ import queue
 
 import pytest
 import torch
+from marks import needs_bf16
 from tiny_models import noisy_copy, tiny_target
 
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.drafters.base import DraftContext, propose_batch
 from verispec.drafters.combined import lookup_then_model
 from verispec.engine.lean_lm import _groups, target_lm
-from verispec.models.panel_linear import bf16_kernels_available, f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
+from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.serving import BatchedTarget, BatchGammaPolicy, GenerationRequest, LeanBatchedTarget, Scheduler, SchedulerConfig
 from verispec.serving.scheduler import batched_target
 
@@ -89,7 +90,7 @@ def test_rows_sharing_passes_compute_exactly_what_they_compute_alone(panel_targe
             torch.testing.assert_close(masked_features, want_features, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or not bf16_kernels_available(), reason="the bfloat16 kernels need an AVX512-BF16 CPU")
+@needs_bf16
 def test_a_bfloat16_target_batches_on_the_lean_forward_bit_for_bit():
     # --target-dtype bfloat16 in serve: the same fused stack on bfloat16 panels, every row as alone.
     target = use_panel_kernels(tiny_target().bfloat16())

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from marks import needs_bf16
 from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
 from verispec.models.packed_linear import pack_linears
-from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, bf16_kernels_available, pack_bf16_panels, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, pack_bf16_panels, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
 
 needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
@@ -250,9 +251,6 @@ print("ok")
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-needs_bf16 = pytest.mark.skipif(
-    panel_kernels_unavailable_reason() is not None or not bf16_kernels_available(), reason="the bfloat16 kernels need an AVX512-BF16 CPU"
-)
 
 
 def test_bf16_panels_hold_each_column_two_inputs_at_a_time():

@@ -36,8 +36,12 @@ def _add_sampling_options(sub: argparse.ArgumentParser) -> None:
 TARGET_DTYPES = ("float32", "bfloat16")
 
 
-def _add_target_dtype_option(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("--target-dtype", choices=list(TARGET_DTYPES), default="float32", help="the precision the target is loaded and served in: float32 (default) or bfloat16 (half the bytes per step; on CPUs with AVX512-BF16 its products run our bfloat16 few-row kernels, elsewhere PyTorch's). The output is exactly this target's either way, and speed-ups compare against plain decoding of the same target")
+SERVED_DTYPE_HELP = "the precision the target is loaded and served in: float32 (default) or bfloat16 (half the bytes per step; on CPUs with AVX512-BF16 its products run our bfloat16 few-row kernels, elsewhere PyTorch's). The output is exactly this target's either way, and speed-ups compare against plain decoding of the same target"
+
+
+def add_target_dtype_option(sub: argparse.ArgumentParser, help_text: str = SERVED_DTYPE_HELP) -> None:
+    """``--target-dtype`` (read with :func:`target_dtype`); ``help_text`` says what the precision means to the command."""
+    sub.add_argument("--target-dtype", choices=list(TARGET_DTYPES), default="float32", help=help_text)
 
 
 def target_dtype(args: argparse.Namespace):  # noqa: ANN201 - torch.dtype (torch imported lazily)
@@ -49,7 +53,7 @@ def target_dtype(args: argparse.Namespace):  # noqa: ANN201 - torch.dtype (torch
 
 def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | None = None) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
-    _add_target_dtype_option(sub)
+    add_target_dtype_option(sub)
     sub.add_argument("--target-kernels", choices=["auto", "panel", "packed", "dense"], default="auto", help="auto (default): time panel against packed on the target's own weights when it is prepared (about two seconds) and keep the faster here, which differs by CPU (see Performance); panel: our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second); packed: oneDNN-packed weights; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--greedy-lm-head", choices=["screened", "full"], default="screened", help="screened (default): greedy passes of a target on the float32 panel kernels take the LM head's argmax through an int8 copy of it with an error bound per logit, computing in float32 only the logits that can be the argmax: the same tokens, about a quarter of the head's bytes (~20 ms less per step of the 1.5B target here; the int8 copy takes ~4 s to build and ~230 MB). full: every logit in float32. Sampling always computes the full head")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
@@ -219,7 +223,7 @@ def _build_parser() -> argparse.ArgumentParser:
     costs = commands.add_parser("costs", help="forward-pass cost by number of new tokens, per kernel setting (what decides gamma here)")
     costs.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     costs.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model, or 'none' (default {DEFAULT_DRAFT})")
-    _add_target_dtype_option(costs)
+    add_target_dtype_option(costs)
     costs.add_argument("--context", type=int, default=300, help="tokens already in the KV cache (default 300)")
     costs.add_argument("--tokens", default="1,2,3,4,5,6,8,12,16", help="comma list of new-token counts per pass")
     costs.add_argument("--repeats", type=int, default=5, help="passes per count; the median is reported (default 5)")
