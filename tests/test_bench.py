@@ -244,7 +244,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
         (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
         (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
-        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, got 'speed=11'"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, got 'speed=11'"),
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-path-confidence", "1"], "--draft-path-confidence must be in"),
@@ -505,7 +505,8 @@ def test_time_split_sums_the_engine_timers_and_prices_a_pass():
 
     rows = [
         replace(row("p1", "spec", 10, 4.0, calls=4), prefill_seconds=1.0, draft_seconds=0.5, verify_seconds=2.0, draft_calls=5),
-        replace(row("p2", "spec", 10, 2.0, calls=2), prefill_seconds=0.5, draft_seconds=0.5, verify_seconds=0.9, draft_calls=5),
+        replace(row("p2", "spec", 10, 2.0, calls=2), prefill_seconds=0.5, draft_seconds=0.5, verify_seconds=0.9, draft_calls=5,
+                branches_verified=7, branches_accepted=2),
         row("p1", "hf-plain", 10, 3.0),  # Hugging Face: no timers
     ]  # fmt: skip
     summaries = summarize(rows, ["spec", "hf-plain"], greedy=False)
@@ -513,8 +514,8 @@ def test_time_split_sums_the_engine_timers_and_prices_a_pass():
     assert (split.prefill, split.draft, split.verify, split.other) == (pytest.approx(1.5), 1.0, pytest.approx(2.9), pytest.approx(0.6))
     assert (split.target_calls, split.draft_calls, summaries[1].time_split) == (6, 10, None)
     header, table = time_split_table(summaries)
-    assert table == [["spec", "25% (1.5s)", "17% (1.0s)", "48% (2.9s)", "10% (0.6s)", "483", "100.0"]]  # HF left out
-    assert header[-2:] == ["ms / verify pass", "ms / draft pass"]
+    assert table == [["spec", "25% (1.5s)", "17% (1.0s)", "48% (2.9s)", "10% (0.6s)", "483", "100.0", "2 / 7"]]  # HF left out
+    assert header[-3:] == ["ms / verify pass", "ms / draft pass", "branches kept"]
 
 
 def test_raw_prompts_skip_the_chat_template(tiny_gguf, prompts_file, tmp_path, capsys):

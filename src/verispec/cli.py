@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not imported: --help loads no torch; a test checks)
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a doctest."
 
 
@@ -56,6 +57,7 @@ def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | N
     add_target_dtype_option(sub)
     sub.add_argument("--target-kernels", choices=["auto", "panel", "packed", "dense"], default="auto", help="auto (default): time panel against packed on the target's own weights when it is prepared (about two seconds) and keep the faster here, which differs by CPU (see Performance); panel: our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second); packed: oneDNN-packed weights; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--greedy-lm-head", choices=["screened", "full"], default="screened", help="screened (default): greedy passes of a target on the float32 panel kernels take the LM head's argmax through an int8 copy of it with an error bound per logit, computing in float32 only the logits that can be the argmax: the same tokens, about a quarter of the head's bytes (~20 ms less per step of the 1.5B target here; the int8 copy takes ~4 s to build and ~230 MB). full: every logit in float32. Sampling always computes the full head")
+    sub.add_argument("--tree-rows", type=int, default=DEFAULT_TREE_ROWS, metavar="N", help=f"greedy decoding with a draft model: verification passes of up to N rows, the spare ones filled with the draft's runner-up tokens (a one-level draft tree: when the target rejects a draft but takes a runner-up, that token and the next are emitted too; exact, each row computed as the chain would). Needs a target on the panel kernels' fused stack; 0 = chains only (default {DEFAULT_TREE_ROWS})")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     default = f"default {path_confidence}" if path_confidence is not None else "default: off"
     sub.add_argument("--draft-path-confidence", type=float, default=path_confidence, metavar="P", help=f"stop drafting a round once the product of the draft model's probabilities of this round's tokens is below P (its own estimate that the whole draft is accepted); 0 = off; {default}")
@@ -94,6 +96,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if getattr(args, "tree_rows", 0) < 0:
+        raise ValueError(f"--tree-rows must be >= 0 (0 = chains only), got {args.tree_rows}")
     if args.draft_confidence is not None and not 0.0 <= args.draft_confidence < 1.0:
         raise ValueError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
     if args.draft_path_confidence is not None and not 0.0 <= args.draft_path_confidence < 1.0:
@@ -363,7 +367,9 @@ def _load(args: argparse.Namespace):
     screen = args.greedy_lm_head == "screened"
     plain = SpeculativeDecoder(target, screen_lm_head=screen)
     adaptive = gamma_is_adaptive(args.gamma_control, sampling)
-    speculative = SpeculativeDecoder(target, drafter, gamma=args.gamma, adaptive_gamma=adaptive, screen_lm_head=screen) if drafter is not None else plain
+    speculative = (
+        SpeculativeDecoder(target, drafter, gamma=args.gamma, adaptive_gamma=adaptive, screen_lm_head=screen, tree_rows=args.tree_rows) if drafter is not None else plain
+    )
     return target, plain, speculative, sampling
 
 
@@ -721,7 +727,7 @@ def _bench(args: argparse.Namespace) -> int:
     methods = {
         name: build_method(
             name, target, draft, args.gamma, eagle_head=eagle_head, head_quantize=head_quantize, far_memory=far_memory, parallel_head=parallel_head,
-            draft_settings=draft_settings, screen_lm_head=screen,
+            draft_settings=draft_settings, screen_lm_head=screen, tree_rows=args.tree_rows,
         )
         for name in names
     }

@@ -92,6 +92,8 @@ _OPTIONS = {
                     int, lambda v: v in (0, 1), lambda base: base in ("ngram", "ngram-adaptive"), "ngram, ngram-adaptive"),
     "screen": _Option("greedy target passes: 1 = the LM head's argmax through its exact int8 screen, 0 = every logit in float32 (the run's --greedy-lm-head otherwise)", int,
                       lambda v: v in (0, 1), lambda base: METHODS[base].family == "ours", "our methods"),
+    "tree": _Option("greedy verification passes of up to N rows, the spare ones filled with the draft model's runner-up tokens (a one-level draft tree); 0 = chains only (the run's --tree-rows otherwise)",
+                    int, lambda v: v >= 0, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
 }
 METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
@@ -107,6 +109,7 @@ class MethodVariant:
     path: float | None = None
     screen: int | None = None
     tune: int | None = None
+    tree: int | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -164,6 +167,8 @@ class RunOutput:
     prefill_seconds: float | None = None  # ours: the target's prompt prefill within ``seconds`` (None for Hugging Face)
     draft_seconds: float | None = None  # ours: drafting within ``seconds``
     verify_seconds: float | None = None  # ours: verification passes (and acceptance) within ``seconds``
+    branches_verified: int = 0  # ours: runner-up tokens verified beside the chain (one-level draft trees)
+    branches_accepted: int = 0  # ours: rounds that kept one
 
 
 class Method(Protocol):
@@ -199,6 +204,8 @@ class OursMethod:
             prefill_seconds=stats.prefill_s,
             draft_seconds=stats.draft_s,
             verify_seconds=stats.verify_s,
+            branches_verified=stats.branches_verified,
+            branches_accepted=stats.branches_accepted,
         )
 
 
@@ -253,6 +260,7 @@ def build_method(
     parallel_head: Any | None = None,
     draft_settings: Any | None = None,
     screen_lm_head: bool = True,
+    tree_rows: int | None = None,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
@@ -268,6 +276,7 @@ def build_method(
     ``draft_settings``: the :class:`~verispec.drafters.draft_model.DraftModelSettings` of our
     draft-model methods (default: its defaults).
     ``screen_lm_head``: ``SpeculativeDecoder(screen_lm_head=...)`` for our methods (greedy passes).
+    ``tree_rows``: ``SpeculativeDecoder(tree_rows=...)`` for our drafting methods (None: its default).
     """
     variant = parse_variant(name)
     label = name  # the full name, settings included, labels the rows; the base name picks the method
@@ -312,7 +321,9 @@ def build_method(
         drafter = lookup_then_model(settings.build(draft, name=draft.name))
     else:
         drafter = lookup_drafter(variant.tune)
-    return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, **adaptive))
+    tree_rows = variant.tree if variant.tree is not None else tree_rows
+    trees = {"tree_rows": tree_rows} if tree_rows is not None else {}
+    return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, **adaptive, **trees))
 
 
 def lookup_drafter(tune: int | None) -> Any:

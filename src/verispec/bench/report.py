@@ -31,7 +31,8 @@ TIME_SPLIT_NOTE = (
     "The engine's own timers, summed over every run of the method: the target's prompt prefill, drafting "
     "(the drafter's own pass over the prompt and its catch-up on the tokens last committed included), verification (target passes over the "
     "drafts, acceptance, cache crops) and the rest. ms / verify pass: verification seconds per target call; "
-    "ms / draft pass: drafting seconds per drafter forward pass (prompt lookup makes none)."
+    "ms / draft pass: drafting seconds per drafter forward pass (prompt lookup makes none). "
+    "branches kept: rounds that emitted a runner-up token of a one-level draft tree / runner-ups verified."
 )
 
 
@@ -135,7 +136,7 @@ def category_detail_table(summaries: Sequence[MethodSummary], baseline: str) -> 
 def time_split_table(summaries: Sequence[MethodSummary]) -> tuple[list[str], list[list[str]]]:
     """Where each of our methods' wall-clock went (share and seconds over all runs), and the mean
     cost of one verification pass and of one drafter pass: what to work on next, per method."""
-    header = ["method", "prefill", "draft", "verify", "other", "ms / verify pass", "ms / draft pass"]
+    header = ["method", "prefill", "draft", "verify", "other", "ms / verify pass", "ms / draft pass", "branches kept"]
     rows = []
     for s in summaries:
         split = s.time_split
@@ -144,7 +145,8 @@ def time_split_table(summaries: Sequence[MethodSummary]) -> tuple[list[str], lis
         shares = [f"{part / split.total:.0%} ({part:.1f}s)" for part in (split.prefill, split.draft, split.verify, split.other)]
         per_verify = f"{1000 * split.verify / split.target_calls:.0f}" if split.target_calls else "-"
         per_draft = f"{1000 * split.draft / split.draft_calls:.1f}" if split.draft_calls else "-"
-        rows.append([s.method, *shares, per_verify, per_draft])
+        branches = f"{split.branches_accepted} / {split.branches_verified}" if split.branches_verified else "-"
+        rows.append([s.method, *shares, per_verify, per_draft, branches])
     return header, rows
 
 

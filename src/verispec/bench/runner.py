@@ -52,6 +52,8 @@ class Row:
     prefill_seconds: float | None = None  # the target's prompt prefill within ``seconds``; None: not observable (HF)
     draft_seconds: float | None = None  # drafting within ``seconds`` (ours only)
     verify_seconds: float | None = None  # verification passes within ``seconds`` (ours only)
+    branches_verified: int = 0  # runner-up tokens verified beside the chain (ours, one-level draft trees)
+    branches_accepted: int = 0  # rounds that kept one
 
     @property
     def key(self) -> tuple[str, int]:
@@ -187,4 +189,6 @@ def _row(prompt: Prompt, turn: int, method: str, input_ids: list[int], output: R
         prefill_seconds=output.prefill_seconds,
         draft_seconds=output.draft_seconds,
         verify_seconds=output.verify_seconds,
+        branches_verified=output.branches_verified,
+        branches_accepted=output.branches_accepted,
     )

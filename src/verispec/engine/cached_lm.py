@@ -115,6 +115,22 @@ class CachedLM:
         self.crop(common)
         return token_ids[common:]
 
+    def max_branch_rows(self) -> int:
+        """The most rows :meth:`extend_branches` takes in one pass; 0: this LM runs no draft trees."""
+        return 0
+
+    def extend_branches(self, new_ids: list[int], branches: list[tuple[int, int]], argmax_only: bool = False) -> ForwardOutput:
+        """Feed ``new_ids`` as :meth:`extend` does plus, in the same pass, one row per (index,
+        token) in ``branches``: ``token`` as an alternative to ``new_ids[index]`` (index >= 1), seeing
+        what precedes that index. Logits for every row # [len(new_ids) + len(branches), vocab]. The
+        branch rows' keys/values sit after the chain until :meth:`keep_branch` moves one in place."""
+        raise NotImplementedError(f"{type(self).__name__} runs no draft trees (max_branch_rows() is 0)")
+
+    def keep_branch(self, branch_slot: int, position: int) -> None:
+        """Make the token fed at ``branch_slot`` (a branch row of the last :meth:`extend_branches`)
+        the sequence's token at ``position``; the caller then crops to ``position + 1``."""
+        raise NotImplementedError(f"{type(self).__name__} runs no draft trees")
+
     def release(self) -> None:
         """Free the cache's memory (the object stays usable, empty)."""
         self.cache = self._empty_cache()

@@ -27,6 +27,7 @@ from verispec.rejection import greedy_verify, rejection_sample
 from verispec.sampling import SamplingParams, logits_to_probs
 
 _NO_DRAFT = Proposal(tokens=[], probs=None)
+DEFAULT_TREE_ROWS = 0  # off: measured no faster on HumanEval (README, Performance, "one-level draft trees")
 
 
 @dataclass
@@ -63,6 +64,11 @@ class SpeculativeDecoder:
     ``screen_lm_head``: greedy passes take the target LM head's argmax through an int8 screen where
     the target runs our float32 panel kernels (:mod:`verispec.models.screened_head`): the same tokens,
     ~20 ms less per pass of the 1.5B target here; False computes every logit in float32.
+    ``tree_rows``: greedy passes fill up to this many rows (the chain's included) with the drafter's
+    runner-up tokens (:attr:`Proposal.alternatives`), best-scored first, where the target runs the
+    fused lean stack: a one-level draft tree. When the chain is rejected at a position where a
+    runner-up is the target's token, that token and the target's next one are emitted too (exact:
+    each branch row is computed bit for bit as that token fed in the chain). 0: chains only.
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class SpeculativeDecoder:
         adaptive_gamma: bool | AdaptiveGamma = False,
         monitor: AcceptanceMonitor | None = None,
         screen_lm_head: bool = True,
+        tree_rows: int = DEFAULT_TREE_ROWS,
     ) -> None:
         self.target, target_tokenizer = unwrap_model(target, argument="target")
         self.tokenizer = tokenizer if tokenizer is not None else target_tokenizer
@@ -85,6 +92,9 @@ class SpeculativeDecoder:
         if screen_lm_head not in (True, False):
             raise ValueError(f"screen_lm_head must be True or False, got {screen_lm_head!r}")
         self.screen_lm_head = screen_lm_head
+        if isinstance(tree_rows, bool) or not isinstance(tree_rows, int) or tree_rows < 0:
+            raise ValueError(f"tree_rows must be an integer >= 0, got {tree_rows!r}")
+        self.tree_rows = tree_rows
         self._generations = 0  # numbers the monitor's per-generation scopes
         # One controller per decoder: the measured costs (draft step, verify per row count) are
         # properties of the models and machine, so they carry over from one generation to the next.
@@ -151,6 +161,9 @@ class SpeculativeDecoder:
         stats = GenerationStats(prompt_tokens=len(prompt))
         target = target_lm(self.target, screen_lm_head=self.screen_lm_head)
         wants_features = bool(self.drafter is not None and self.drafter.needs_target_features)
+        # Draft trees: greedy passes only (the branch rule below is greedy verification), and not for
+        # feature-reading drafters (they would need the kept branch's features handed over).
+        tree_rows = min(self.tree_rows, target.max_branch_rows()) if sampling.is_greedy and not wants_features else 0
         session = self.drafter.start(prompt, sampling) if self.drafter is not None else None
         tokens = list(prompt)
         controller = self._gamma_controller
@@ -180,8 +193,20 @@ class SpeculativeDecoder:
                     proposal = checked_proposal(proposal, num_draft, target.vocab_size, self.drafter.name)
                 with _timed(stats, "verify_s") as verify_clock:
                     drafts = proposal.tokens
-                    forward = target.extend([tokens[-1]] + drafts, num_logits=len(drafts) + 1, argmax_only=sampling.is_greedy)
-                    output, num_accepted = verify_drafts(drafts, proposal.probs, forward.logits, sampling, generator)
+                    branches = pick_branches(proposal, tree_rows - len(drafts) - 1)
+                    if branches:
+                        forward = target.extend_branches([tokens[-1]] + drafts, branches, argmax_only=True)
+                        output, num_accepted = verify_drafts(drafts, None, forward.logits[: len(drafts) + 1], sampling, generator)
+                        kept = accepted_branch(num_accepted, output[-1], branches)
+                        stats.branches_verified += len(branches)
+                        if kept is not None:  # the runner-up was the target's token: emit it and the target's next
+                            row = len(drafts) + 1 + kept
+                            target.keep_branch(len(tokens) + len(drafts) + kept, len(tokens) + num_accepted)
+                            output, num_accepted = output + [int(forward.logits[row].argmax())], num_accepted + 1
+                            stats.branches_accepted += 1
+                    else:
+                        forward = target.extend([tokens[-1]] + drafts, num_logits=len(drafts) + 1, argmax_only=sampling.is_greedy)
+                        output, num_accepted = verify_drafts(drafts, proposal.probs, forward.logits, sampling, generator)
                     # Keep the cache at committed-minus-last: drop the rejected drafts' keys/values.
                     target.crop(len(tokens) + num_accepted)
                     if wants_features:
@@ -208,6 +233,26 @@ class SpeculativeDecoder:
             target.release()
             if self.monitor is not None:
                 self.monitor.forget(scopes[1])
+
+
+def pick_branches(proposal: Proposal, spare_rows: int) -> list[tuple[int, int]]:
+    """The runner-ups to verify beside the chain: the best-scored ``spare_rows`` of the proposal's
+    alternatives, as (row index in the pass, token): the alternative to draft i is fed at row i + 1
+    (row 0 is the last committed token)."""
+    if spare_rows <= 0 or not proposal.alternatives:
+        return []
+    best = sorted(proposal.alternatives, key=lambda alternative: -alternative[2])[:spare_rows]
+    return [(index + 1, token) for index, token, _ in best]
+
+
+def accepted_branch(num_accepted: int, correction: int, branches: list[tuple[int, int]]) -> int | None:
+    """Greedy verification of a one-level tree: the chain's drafts were accepted up to
+    ``num_accepted`` and the target's token at the next position is ``correction``; the branch
+    (index into ``branches``) standing at that position with that token, if any."""
+    for number, (row, token) in enumerate(branches):
+        if row == num_accepted + 1 and token == correction:
+            return number
+    return None
 
 
 def draft_context(tokens: list[int], unseen_features: list[torch.Tensor], target_length: int) -> DraftContext:
@@ -247,11 +292,12 @@ def checked_proposal(proposal: Proposal, max_tokens: int, vocab_size: int, draft
     if len(proposal.tokens) > max_tokens:
         raise RuntimeError(f"drafter {drafter_name!r} proposed {len(proposal.tokens)} tokens, asked for at most {max_tokens}")
     in_vocab = [0 <= token < vocab_size for token in proposal.tokens]
-    if all(in_vocab):
+    keep = in_vocab.index(False) if not all(in_vocab) else len(in_vocab)
+    alternatives = [alternative for alternative in proposal.alternatives if alternative[0] < keep and 0 <= alternative[1] < vocab_size]
+    if keep == len(in_vocab) and len(alternatives) == len(proposal.alternatives):
         return proposal
-    keep = in_vocab.index(False)
     probs = None if proposal.probs is None else proposal.probs[:keep]
-    return Proposal(proposal.tokens[:keep], probs, proposal.num_forward_passes)
+    return Proposal(proposal.tokens[:keep], probs, proposal.num_forward_passes, alternatives)
 
 
 def _match_vocab(draft_probs: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
-from verispec.engine.cached_lm import CachedLM
+from verispec.engine.cached_lm import CachedLM, ForwardOutput
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
 from verispec.models.panel_linear import PanelLinear, bf16_kernels_available, panel_library, panel_or_same
 from verispec.models.quantize import is_quantized, stacked_linear
@@ -214,6 +214,20 @@ class LeanDecoder:
         return features
 
     @torch.inference_mode()
+    def forward_branches(self, input_ids: torch.Tensor, caches: list[LayerKVCache], row_prefix: list[int]) -> torch.Tensor:
+        """:meth:`forward` for a one-level draft tree in one fused call: input_ids # [n] is a chain
+        followed by branch rows; ``row_prefix`` [n] holds -1 for a chain row and, for a branch row,
+        the position it stands at: it sees the cache below that position and itself, and is rotated
+        to it. Every row goes to the next slot of the cache (a branch row after the chain), and every
+        row's features are bit for bit what feeding its token at its position in a chain gives."""
+        num_new, start = len(input_ids), caches[0].length
+        if self.fused is None or num_new > self.fused.max_rows:
+            raise ValueError(f"branch rows need the fused stack and at most {0 if self.fused is None else self.fused.max_rows} rows")
+        positions = torch.tensor([start + row if prefix < 0 else prefix for row, prefix in enumerate(row_prefix)], dtype=torch.float32)
+        cos, sin = rotary_cos_sin(positions, self.inv_freq)  # [n, head_dim]
+        return self.fused(self.embed(input_ids), [caches], [num_new], cos, sin, row_prefix)
+
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, caches: list[LayerKVCache]) -> torch.Tensor:
         """Top-layer features # [n, hidden] of input_ids # [n] continuing the cached sequence (appended to ``caches``)."""
         num_new, start = len(input_ids), caches[0].length
@@ -272,7 +286,7 @@ class _FusedStack:
         products = [module for layer in decoder.layers for module in (*layer.qkv, layer.o_proj, *layer.gate_up, layer.down_proj)]
         if not all(isinstance(module, PanelLinear) for module in products):
             return None
-        if len({(module.is_int8, module.is_bf16) for module in products}) != 1 or decoder.head_dim % 8 or decoder.num_heads % decoder.num_kv_heads:
+        if len({(module.is_int8, module.is_bf16) for module in products}) != 1 or decoder.head_dim % 8 or decoder.head_dim > 256 or decoder.num_heads % decoder.num_kv_heads:
             return None
         first = decoder.layers[0]  # the kernel takes one q/k/v and gate/up grouping for all layers
         if any(len(layer.qkv) != len(first.qkv) or len(layer.gate_up) != len(first.gate_up) for layer in decoder.layers):
@@ -308,9 +322,12 @@ class _FusedStack:
         rows: list[int],  # new tokens per sequence (summing to n)
         cos: torch.Tensor,  # [n, head_dim] each row's rotary angles
         sin: torch.Tensor,  # [n, head_dim]
+        row_prefix: list[int] | None = None,  # [n] per row: -1 (a chain row), or a branch row's prefix length
     ) -> torch.Tensor:  # [n, hidden] top-layer features
         """One pass extending several sequences: the products run over all their rows at once, each
-        row's attention reads its own sequence's cache (batched serving; one sequence: a decoding step)."""
+        row's attention reads its own sequence's cache (batched serving; one sequence: a decoding step).
+        ``row_prefix``: a branch row (one sequence) sees positions 0..prefix-1 and itself (see
+        :meth:`LeanLM.extend_branches`); None: every row is a chain row."""
         decoder = self.decoder
         starts = [caches[0].length for caches in sequences]
         for caches, count in zip(sequences, rows):  # the kernel writes the new keys/values in place: claim the positions first
@@ -326,7 +343,8 @@ class _FusedStack:
         panel_library().verispec_lean_stack(
             self.dims, decoder.eps, self.kind, len(sequences), int64s(rows), int64s(starts), int64s(capacities),
             (ctypes.c_void_p * len(buffers))(*buffers), hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            self.weights, self.scales, self.colsums, self.biases, self.norms, self.final_norm.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+            self.weights, self.scales, self.colsums, self.biases, self.norms, self.final_norm.data_ptr(), out.data_ptr(),
+            None if row_prefix is None else int64s(row_prefix), torch.get_num_threads(),
         )
         return out
 
@@ -350,6 +368,30 @@ class LeanLM(CachedLM):
     def _drop_cached(self, num_tokens: int) -> None:
         for layer_cache in self.cache:
             layer_cache.crop(layer_cache.length - num_tokens)
+
+    def max_branch_rows(self) -> int:
+        return 0 if self.decoder.fused is None else self.decoder.fused.max_rows
+
+    @torch.inference_mode()
+    def extend_branches(self, new_ids: list[int], branches: list[tuple[int, int]], argmax_only: bool = False) -> ForwardOutput:
+        start = len(self.token_ids)
+        if not new_ids or any(not 1 <= index < len(new_ids) for index, _ in branches):
+            raise ValueError(f"branch indices must be in [1, {len(new_ids)}) of a non-empty chain, got {[index for index, _ in branches]}")
+        row_prefix = [-1] * len(new_ids) + [start + index for index, _ in branches]
+        input_ids = torch.tensor(new_ids + [token for _, token in branches], dtype=torch.long)
+        features = self.decoder.forward_branches(input_ids, self.cache, row_prefix)  # [n, hidden]
+        self.token_ids.extend(input_ids.tolist())
+        return ForwardOutput(logits=self.logits(features, argmax_only), features=features)
+
+    @torch.inference_mode()
+    def keep_branch(self, branch_slot: int, position: int) -> None:
+        if not 0 <= position < branch_slot < len(self.token_ids):
+            raise ValueError(f"keep_branch needs position < branch_slot < {len(self.token_ids)}, got {position}, {branch_slot}")
+        # The branch row's keys/values were computed at its position (rotary angles, attention): move them there.
+        for layer_cache in self.cache:
+            layer_cache.keys[:, position] = layer_cache.keys[:, branch_slot]
+            layer_cache.values[:, position] = layer_cache.values[:, branch_slot]
+        self.token_ids[position] = self.token_ids[branch_slot]
 
 
 @torch.inference_mode()

@@ -15,6 +15,8 @@ class GenerationStats:
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     emitted_per_round: list[int] = field(default_factory=list)  # tokens the round added (after stop/length cuts)
+    branches_verified: int = 0  # runner-up tokens verified beside the chain (draft trees)
+    branches_accepted: int = 0  # rounds that kept one (counted in accepted_per_round too)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -77,6 +79,8 @@ class GenerationStats:
             "acceptance_by_position": self.acceptance_by_position,
             "accepted_per_round": list(self.accepted_per_round),
             "drafted_per_round": list(self.drafted_per_round),
+            "branches_verified": self.branches_verified,
+            "branches_accepted": self.branches_accepted,
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,

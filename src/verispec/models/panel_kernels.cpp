@@ -506,6 +506,10 @@ struct Segments {
   const int64_t* starts;
   const int64_t* capacities;
   float* const* caches;
+  // Per row (null: every row is a chain row), a branch row's prefix: it sees cache positions
+  // 0..prefix-1 and then its own slot, as if it sat at position prefix (a draft tree's alternative
+  // token, stored after the chain). -1 for a chain row: it sees every position up to its own slot.
+  const int64_t* row_prefix;
 };
 
 // Products whose outputs sit side by side in y [M, sum of the parts' N]; x is quantised once (VNNI).
@@ -623,7 +627,7 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
     }
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < n * H; ++task) {
-      const int64_t i = task / H, head = task % H, g = head / group, visible = row_pos[i] + 1;
+      const int64_t i = task / H, head = task % H, g = head / group;
       const float* keys = layer_caches[2 * row_seq[i]];
       const float* values = layer_caches[2 * row_seq[i] + 1];
       const int64_t capacity = layer_capacities[row_seq[i]];
@@ -632,9 +636,24 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
       const float* value_rows = values + g * capacity * D;
       float* score = scores + task * end;
       float top = -INFINITY;
+      // A branch row attends to positions 0..prefix-1 and its own slot, in that order: position t of
+      // its view is slot t below prefix and its own slot at prefix, so it performs exactly the
+      // operations a chain row at position prefix performs (blocks of 4 and tail alike): its
+      // outputs are bit for bit those of that token fed in the chain.
+      const int64_t own = row_pos[i], prefix = seq.row_prefix && seq.row_prefix[i] >= 0 ? seq.row_prefix[i] : own;
+      const int64_t visible = prefix + 1;
+      const auto slot = [&](int64_t t) { return t < prefix ? t : own; };
       int64_t t = 0;
-      for (; t + 4 <= visible; t += 4) dot4(query, key_rows + t * D, D, D, score + t);
-      for (; t < visible; ++t) score[t] = dot(query, key_rows + t * D, D);
+      for (; t + 4 <= visible; t += 4) {
+        if (t + 3 < prefix || prefix == own) {
+          dot4(query, key_rows + t * D, D, D, score + t);
+        } else {  // the block holding the branch's own key: gather its four keys
+          float gathered[4 * 256];
+          for (int64_t b = 0; b < 4; ++b) memcpy(gathered + b * D, key_rows + slot(t + b) * D, sizeof(float) * D);
+          dot4(query, gathered, D, D, score + t);
+        }
+      }
+      for (; t < visible; ++t) score[t] = dot(query, key_rows + slot(t) * D, D);
       for (t = 0; t < visible; ++t) {
         score[t] *= scaling;
         top = score[t] > top ? score[t] : top;
@@ -651,7 +670,7 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
         for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_setzero_ps();
         for (int64_t t = 0; t < visible; ++t) {
           const __m256 weight = _mm256_set1_ps(score[t]);
-          const float* value_row = value_rows + t * D + first;
+          const float* value_row = value_rows + slot(t) * D + first;
           for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value_row + 8 * v), acc[v]);
         }
         for (int64_t v = 0; v < vectors; ++v) _mm256_storeu_ps(ctx + first + 8 * v, acc[v]);
@@ -745,9 +764,9 @@ void verispec_lean_stack(const int64_t* dims, float eps, int kind, int64_t num_s
                          const int64_t* seq_starts, const int64_t* capacities, float* const* caches, float* x,
                          const float* cos, const float* sin, const void* const* weights, const float* const* scales,
                          const int32_t* const* colsums, const float* const* biases, const float* const* norms,
-                         const float* final_norm, float* out, int num_threads) {
+                         const float* final_norm, float* out, const int64_t* row_prefix, int num_threads) {
   const LeanStackDims d = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], eps};
-  const Segments seq = {num_seqs, seq_rows, seq_starts, capacities, caches};
+  const Segments seq = {num_seqs, seq_rows, seq_starts, capacities, caches, row_prefix};
   int64_t n = 0;
   for (int64_t s = 0; s < num_seqs; ++s) n += seq_rows[s];
   const int64_t H = d.heads, KV = d.kv_heads, D = d.head_dim, I = d.intermediate, h = d.hidden;

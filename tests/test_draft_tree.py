@@ -1,0 +1,151 @@
+"""One-level draft trees: runner-up tokens verified in spare rows of a greedy target pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import noisy_copy, tiny_config, tiny_target
+from transformers import Qwen2ForCausalLM
+
+from verispec.drafters import DraftModel
+from verispec.drafters.base import DraftContext, Proposal
+from verispec.engine import SpeculativeDecoder
+from verispec.engine.decoder import accepted_branch, pick_branches
+from verispec.engine.lean_lm import target_lm
+from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
+from verispec.sampling import SamplingParams
+
+needs_wide_kernels = pytest.mark.skipif(
+    panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32,
+    reason="bit-identical rows need the wide AVX-512 float32 kernels",
+)
+
+
+@needs_wide_kernels
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_a_branch_row_computes_exactly_what_its_token_fed_in_the_chain_computes(head_dim):
+    # Chain [x, d1..d5] plus branches standing at rows 1, 3 and 5: each branch row's logits and the
+    # keys/values it leaves must equal, bit for bit, a pass feeding that token at that position;
+    # the chain rows must be untouched by the branches beside them. Prompt lengths around a multiple
+    # of 4 put the branch's own key inside and outside the attention's blocks of four.
+    model = use_panel_kernels(tiny_target() if head_dim == 8 else wide_head_target())
+    chain = [40, 41, 42, 43, 44, 45]
+    branches = [(1, 50), (3, 51), (5, 52)]
+    for prompt_length in (13, 14, 15, 16):
+        prompt = list(range(3, 3 + prompt_length))
+        tree = target_lm(model)
+        tree.extend(prompt, num_logits=0)
+        assert tree.max_branch_rows() >= len(chain) + len(branches)
+        out = tree.extend_branches(chain, branches, argmax_only=False)
+        assert out.logits.shape[0] == len(chain) + len(branches)
+        reference = target_lm(model)
+        reference.extend(prompt, num_logits=0)
+        assert torch.equal(out.logits[: len(chain)], reference.extend(chain, num_logits=len(chain)).logits)
+        for number, (index, token) in enumerate(branches):
+            alone = target_lm(model)
+            alone.extend(prompt + chain[:index], num_logits=0)
+            want = alone.extend([token], num_logits=1).logits[0]
+            assert torch.equal(out.logits[len(chain) + number], want), (prompt_length, index)
+
+
+def wide_head_target() -> Qwen2ForCausalLM:
+    # Head size 128 as in Qwen2.5-1.5B: the gathered block of keys must hold a whole head.
+    torch.manual_seed(0)
+    config = tiny_config()
+    config.head_dim, config.num_attention_heads = 128, 2
+    model = Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@needs_wide_kernels
+def test_keep_branch_leaves_the_cache_a_chain_through_that_token_would_leave():
+    model = use_panel_kernels(tiny_target())
+    prompt, chain, branches = list(range(3, 17)), [40, 41, 42, 43], [(2, 60), (3, 61)]
+    tree = target_lm(model)
+    tree.extend(prompt, num_logits=0)
+    tree.extend_branches(chain, branches)
+    start = len(prompt)
+    tree.keep_branch(branch_slot=start + len(chain) + 1, position=start + 3)  # branch (3, 61)
+    tree.crop(start + 4)
+    assert tree.token_ids == prompt + [40, 41, 42, 61]
+    reference = target_lm(model)
+    reference.extend(prompt + [40, 41, 42, 61], num_logits=0)
+    for mine, theirs in zip(tree.cache, reference.cache):
+        assert torch.equal(mine.keys[:, : start + 4], theirs.keys[:, : start + 4])
+        assert torch.equal(mine.values[:, : start + 4], theirs.values[:, : start + 4])
+    continuation = [70, 71, 72]
+    assert torch.equal(tree.extend(continuation, num_logits=3).logits, reference.extend(continuation, num_logits=3).logits)
+
+
+def test_branch_indices_outside_the_chain_are_refused():
+    model = use_panel_kernels(tiny_target()) if panel_kernels_unavailable_reason() is None else tiny_target()
+    lm = target_lm(model)
+    lm.extend(list(range(3, 10)), num_logits=0)
+    if lm.max_branch_rows() == 0:
+        with pytest.raises(NotImplementedError, match="no draft trees"):
+            lm.extend_branches([40, 41], [(1, 5)])
+        return
+    with pytest.raises(ValueError, match="branch indices"):
+        lm.extend_branches([40, 41], [(0, 5)])
+    with pytest.raises(ValueError, match="branch indices"):
+        lm.extend_branches([40, 41], [(2, 5)])
+
+
+def test_pick_and_accept_branches():
+    proposal = Proposal(tokens=[7, 8, 9], probs=None, alternatives=[(0, 1, 0.05), (1, 2, 0.3), (2, 3, 0.2), (1, 4, 0.1)])
+    assert pick_branches(proposal, 2) == [(2, 2), (3, 3)]  # best scored first, as (row, token)
+    assert pick_branches(proposal, 0) == []
+    branches = pick_branches(proposal, 4)
+    # drafts 7 accepted, 8 rejected: the target's token at row 2 is 4 -> the branch (2, 4)
+    assert accepted_branch(1, 4, branches) == branches.index((2, 4))
+    assert accepted_branch(1, 5, branches) is None  # no runner-up was the target's token
+    assert accepted_branch(3, 4, branches) is None  # all drafts accepted: nothing to branch from
+    with pytest.raises(ValueError, match="alternatives"):
+        Proposal(tokens=[7], probs=None, alternatives=[(0, 7, 0.5)])  # the draft's own token
+    with pytest.raises(ValueError, match="alternatives"):
+        Proposal(tokens=[7], probs=None, alternatives=[(1, 3, 0.5)])
+
+
+def test_draft_model_offers_runner_ups_when_greedy_only():
+    draft = DraftModel(noisy_copy(tiny_target(), noise=0.3), alternatives=2, lean=False)
+    prompt = list(range(3, 12))
+    greedy = draft.start(prompt, SamplingParams()).propose(DraftContext(prompt), 4, torch.Generator())
+    assert len(greedy.alternatives) == 2 * len(greedy.tokens)
+    for index, token, score in greedy.alternatives:
+        assert token != greedy.tokens[index] and 0 < score <= 1
+    sampled = draft.start(prompt, SamplingParams(temperature=1.0)).propose(DraftContext(prompt), 4, torch.Generator().manual_seed(0))
+    assert sampled.alternatives == []
+    with pytest.raises(ValueError, match="alternatives"):
+        DraftModel(tiny_target(), alternatives=-1)
+
+
+@needs_wide_kernels
+def test_greedy_decoding_with_draft_trees_is_token_identical_and_keeps_branches():
+    # A noisy draft: its first choice is often wrong where its second is right, so branches are kept.
+    target = use_panel_kernels(tiny_target())
+    draft = noisy_copy(tiny_target(), noise=0.25)
+    prompt = list(range(3, 12))
+    plain = SpeculativeDecoder(target).generate(prompt, max_new_tokens=60, stop=[])
+    chains = SpeculativeDecoder(target, DraftModel(draft), gamma=4, tree_rows=0).generate(prompt, max_new_tokens=60, stop=[])
+    trees = SpeculativeDecoder(target, DraftModel(draft), gamma=4, tree_rows=12).generate(prompt, max_new_tokens=60, stop=[])
+    assert trees.token_ids == plain.token_ids == chains.token_ids
+    assert chains.stats.branches_verified == 0
+    assert trees.stats.branches_verified > 0 and trees.stats.branches_accepted > 0
+    assert trees.stats.target_calls < chains.stats.target_calls
+    for drafted, emitted in zip(trees.stats.drafted_per_round, trees.stats.emitted_per_round):
+        assert 1 <= emitted <= drafted + 1  # a kept branch replaces a draft: still 1..gamma+1 tokens a call
+
+
+def test_tree_rows_is_validated():
+    with pytest.raises(ValueError, match="tree_rows"):
+        SpeculativeDecoder(tiny_target(), tree_rows=-1)
+
+
+def test_cli_tree_rows_default_matches_the_engine_and_is_validated(capsys):
+    from verispec import cli
+    from verispec.engine.decoder import DEFAULT_TREE_ROWS
+
+    assert cli.DEFAULT_TREE_ROWS == DEFAULT_TREE_ROWS
+    assert cli.main(["generate", "hi", "--tree-rows", "-1"]) == 2
+    assert "--tree-rows must be >= 0" in capsys.readouterr().err
