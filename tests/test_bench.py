@@ -158,6 +158,14 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert bench_methods.build_method("plain", model, None, gamma=4).decoder.screen_lm_head is True
     assert bench_methods.build_method("plain:screen=0", model, None, gamma=4).decoder.screen_lm_head is False
     assert bench_methods.build_method("ngram:screen=1", model, None, gamma=4, screen_lm_head=False).decoder.screen_lm_head is True
+    # Draft trees: the runner-ups they verify are drafted only where a method's passes take them.
+    chains = bench_methods.build_method("ngram+draft-adaptive", model, model, gamma=4)
+    assert chains.decoder.tree_rows == 0 and chains.decoder.drafter.fallback.alternatives == 0
+    trees = bench_methods.build_method("ngram+draft-adaptive:tree=12", model, model, gamma=4)
+    assert trees.decoder.tree_rows == 12 and trees.decoder.drafter.fallback.alternatives == 2
+    off = bench_methods.build_method("draft-model:tree=0", model, model, gamma=4, tree_rows=8)
+    assert off.decoder.tree_rows == 0 and off.decoder.drafter.alternatives == 0
+    assert bench_methods.build_method("draft-model", model, model, gamma=4, tree_rows=8).decoder.drafter.alternatives == 2
     # The bench's default methods include exactly what generate/compare run by default.
     from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
 

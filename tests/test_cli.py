@@ -65,6 +65,8 @@ def test_draft_forward_option_picks_the_draft_models_forward_and_keeps_the_text(
     parser = _build_parser()
     assert draft_model_settings(parser.parse_args(["generate", "x"])).lean is None  # lean where the model allows
     assert draft_model_settings(parser.parse_args(["bench", "--draft-forward", "transformers"])).lean is False
+    assert draft_model_settings(parser.parse_args(["generate", "x"])).alternatives == 0  # no runner-ups without trees
+    assert draft_model_settings(parser.parse_args(["generate", "x", "--tree-rows", "12"])).alternatives == 2
     settings = draft_model_settings(parser.parse_args(["bench", "--draft-vocab", "0", "--draft-path-confidence", "0", "--draft-kernels", "torch"]))
     assert (settings.draft_vocab, settings.path_confidence, settings.panel_kernels) == (None, None, False)  # 0 = off
     common = ["generate", "--target", tiny_gguf, "--draft", tiny_gguf, "--max-new-tokens", "10", "--raw", "hello the"]

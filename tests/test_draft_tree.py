@@ -9,6 +9,7 @@ from transformers import Qwen2ForCausalLM
 
 from verispec.drafters import DraftModel
 from verispec.drafters.base import DraftContext, Proposal
+from verispec.drafters.draft_model import DraftModelSession
 from verispec.engine import SpeculativeDecoder
 from verispec.engine.decoder import accepted_branch, pick_branches
 from verispec.engine.lean_lm import target_lm
@@ -118,6 +119,18 @@ def test_draft_model_offers_runner_ups_when_greedy_only():
     assert sampled.alternatives == []
     with pytest.raises(ValueError, match="alternatives"):
         DraftModel(tiny_target(), alternatives=-1)
+    # Off by default: no runner-ups (and no softmax spent on them) unless trees ask for them.
+    assert DraftModel(draft.model).start(prompt, SamplingParams()).propose(DraftContext(prompt), 4, torch.Generator()).alternatives == []
+
+
+def test_runner_ups_exclude_the_drafted_token_under_a_tie():
+    # Two logits tie at the top: argmax drafts the first, and the runner-ups must not repeat it
+    # whichever order topk ranks the tie in (a repeated draft token is an invalid Proposal).
+    session = DraftModelSession(None, SamplingParams(), confidence_threshold=None, alternatives=2)
+    token, token_prob, probs, alternatives = session._pick(torch.tensor([0.0, 5.0, 5.0, 1.0, 2.0]), torch.Generator())
+    assert (token, token_prob, probs) == (1, 1.0, None)
+    assert [alternative for alternative, _ in alternatives] == [2, 4]
+    assert alternatives[0][1] == pytest.approx(torch.softmax(torch.tensor([0.0, 5.0, 5.0, 1.0, 2.0]), -1)[2].item())
 
 
 @needs_wide_kernels
@@ -128,7 +141,7 @@ def test_greedy_decoding_with_draft_trees_is_token_identical_and_keeps_branches(
     prompt = list(range(3, 12))
     plain = SpeculativeDecoder(target).generate(prompt, max_new_tokens=60, stop=[])
     chains = SpeculativeDecoder(target, DraftModel(draft), gamma=4, tree_rows=0).generate(prompt, max_new_tokens=60, stop=[])
-    trees = SpeculativeDecoder(target, DraftModel(draft), gamma=4, tree_rows=12).generate(prompt, max_new_tokens=60, stop=[])
+    trees = SpeculativeDecoder(target, DraftModel(draft, alternatives=2), gamma=4, tree_rows=12).generate(prompt, max_new_tokens=60, stop=[])
     assert trees.token_ids == plain.token_ids == chains.token_ids
     assert chains.stats.branches_verified == 0
     assert trees.stats.branches_verified > 0 and trees.stats.branches_accepted > 0

@@ -69,11 +69,12 @@ def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | N
 
 def draft_model_settings(args: argparse.Namespace):  # noqa: ANN201 - DraftModelSettings (imported lazily)
     """The draft model's settings from the ``--draft-*`` options (0 turns the confidence stops and the vocabulary off)."""
-    from verispec.drafters.draft_model import DraftModelSettings
+    from verispec.drafters.draft_model import TREE_ALTERNATIVES, DraftModelSettings
 
     return DraftModelSettings(
         confidence_threshold=args.draft_confidence, path_confidence=args.draft_path_confidence or None, draft_vocab=args.draft_vocab or None,
         lean=None if getattr(args, "draft_forward", "lean") == "lean" else False, panel_kernels=draft_panel_kernels(args),
+        alternatives=TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0,
     )
 
 

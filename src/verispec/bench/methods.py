@@ -286,13 +286,16 @@ def build_method(
     if spec.family == "hf":
         return _build_hf(name, target, draft)
     from verispec.drafters import lookup_then_model
-    from verispec.drafters.draft_model import DraftModelSettings
+    from verispec.drafters.draft_model import TREE_ALTERNATIVES, DraftModelSettings
     from verispec.engine import SpeculativeDecoder
+    from verispec.engine.decoder import DEFAULT_TREE_ROWS
 
     gamma = variant.gamma if variant.gamma is not None else gamma
     settings = draft_settings if draft_settings is not None else DraftModelSettings()
     overrides = {"draft_vocab": variant.vocab, "confidence_threshold": variant.confidence, "path_confidence": variant.path}
     settings = replace(settings, **{key: value or None for key, value in overrides.items() if value is not None})  # 0 = off
+    tree_rows = variant.tree if variant.tree is not None else tree_rows if tree_rows is not None else DEFAULT_TREE_ROWS
+    settings = replace(settings, alternatives=TREE_ALTERNATIVES if tree_rows else 0)  # runner-ups only where trees verify them
     if variant.screen is not None:
         screen_lm_head = bool(variant.screen)
 
@@ -321,9 +324,7 @@ def build_method(
         drafter = lookup_then_model(settings.build(draft, name=draft.name))
     else:
         drafter = lookup_drafter(variant.tune)
-    tree_rows = variant.tree if variant.tree is not None else tree_rows
-    trees = {"tree_rows": tree_rows} if tree_rows is not None else {}
-    return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, **adaptive, **trees))
+    return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, tree_rows=tree_rows, **adaptive))
 
 
 def lookup_drafter(tune: int | None) -> Any:

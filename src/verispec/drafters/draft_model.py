@@ -16,6 +16,8 @@ from verispec.models.panel_linear import panel_or_same
 from verispec.models.quantize import is_quantized
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
+TREE_ALTERNATIVES = 2  # runner-ups per draft position offered where a decoder verifies draft trees
+
 
 class DraftModel:
     """Drafts autoregressively with a small LM, sampling with the target's own transform.
@@ -47,8 +49,9 @@ class DraftModel:
 
     ``alternatives``: in greedy decoding, offer this many runner-up tokens per draft position
     (:attr:`Proposal.alternatives`, scored by the draft's probability of the path to them), which a
-    target with spare rows verifies as a one-level tree. Measured on HumanEval with the 0.5B draft:
-    its second choice is the target's token at 59% of the positions where its first is not.
+    decoder with ``tree_rows`` verifies as a one-level tree; 0 (default): none, and no work spent
+    on them. Measured on HumanEval with the 0.5B draft: its second choice is the target's token at
+    59% of the positions where its first is not.
     """
 
     needs_target_features = False
@@ -62,7 +65,7 @@ class DraftModel:
         lean: bool | None = None,
         panel_kernels: bool = True,
         path_confidence: float | None = None,
-        alternatives: int = 2,
+        alternatives: int = 0,
     ) -> None:
         self.model, self.tokenizer = unwrap_model(model, argument="DraftModel(model)")
         for argument, threshold in (("confidence_threshold", confidence_threshold), ("path_confidence", path_confidence)):
@@ -118,7 +121,7 @@ class DraftModelSettings:
     draft_vocab: int | None = None  # a token count (the first N ids + the special ones)
     lean: bool | None = None
     panel_kernels: bool = True
-    alternatives: int = 2
+    alternatives: int = 0  # runner-ups per draft position for draft trees (TREE_ALTERNATIVES where tree_rows > 0)
 
     def build(self, model: Any, name: str = "draft-model") -> DraftModel:
         return DraftModel(
@@ -177,9 +180,9 @@ class DraftModelSession:
             still = []
             for index, row in zip(drafting, logits):
                 session = sessions[index]
-                token, token_prob, probs = session._pick(row, generators[index])
+                token, token_prob, probs, alternatives = session._pick(row, generators[index])
                 # (position, token, the draft's probability of the path to it), best first
-                runner_ups[index] += [(len(tokens[index]), alternative, path_probs[index] * prob) for alternative, prob in session._runner_ups(row)]
+                runner_ups[index] += [(len(tokens[index]), alternative, path_probs[index] * prob) for alternative, prob in alternatives]
                 tokens[index].append(token)
                 if probs is not None:
                     step_probs[index].append(probs)
@@ -193,27 +196,33 @@ class DraftModelSession:
             for drafted, probs, alternatives in zip(tokens, step_probs, runner_ups)
         ]
 
-    def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float, torch.Tensor | None]:
+    def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float, torch.Tensor | None, list[tuple[int, float]]]:
         """The draft token from one step's logits # [draft_vocab], its probability (1.0 when greedy
-        without stop rules: not needed) and, when sampling, q_draft over the full vocabulary."""
+        without stop rules: not needed), when sampling q_draft over the full vocabulary, and when
+        greedy with ``alternatives`` the next-best tokens with their probabilities (trees are
+        verified greedily only). One softmax serves the stop rules and the runner-ups."""
         if self.sampling.is_greedy:
             index = int(logits.argmax())
             stop_rules = self.confidence_threshold is not None or self.path_confidence is not None
-            token_prob, full = (float(torch.softmax(logits, -1)[index]) if stop_rules else 1.0), None
-        else:
-            probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
-            index = int(sample_from(probs, generator))
-            token_prob, full = float(probs[index]), full_vocab_probs(probs, self.vocab_ids, self.vocab_size)
-        return (index if self.vocab_ids is None else int(self.vocab_ids[index])), token_prob, full
+            if not stop_rules and not self.alternatives:
+                return self._token_id(index), 1.0, None, []
+            probs = torch.softmax(logits, -1)  # [draft_vocab]
+            return self._token_id(index), (float(probs[index]) if stop_rules else 1.0), None, self._runner_ups(probs, index)
+        probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
+        index = int(sample_from(probs, generator))
+        return self._token_id(index), float(probs[index]), full_vocab_probs(probs, self.vocab_ids, self.vocab_size), []
 
-    def _runner_ups(self, logits: torch.Tensor) -> list[tuple[int, float]]:
-        """Greedy drafts: the ``alternatives`` next-best tokens after the argmax of logits # [draft_vocab]
-        with their draft probabilities (none when sampling: trees are verified greedily only)."""
+    def _runner_ups(self, probs: torch.Tensor, index: int) -> list[tuple[int, float]]:
+        """The ``alternatives`` most probable tokens of probs # [draft_vocab] other than the drafted
+        ``index`` (excluded by index, not by rank: under a tie topk may rank another token first)."""
         if not self.alternatives:
             return []
-        top = torch.softmax(logits, -1).topk(self.alternatives + 1)
-        ids = top.indices[1:] if self.vocab_ids is None else self.vocab_ids[top.indices[1:]]
-        return list(zip(ids.tolist(), top.values[1:].tolist()))
+        ranked = [other for other in probs.topk(self.alternatives + 1).indices.tolist() if other != index]
+        return [(self._token_id(other), float(probs[other])) for other in ranked[: self.alternatives]]
+
+    def _token_id(self, index: int) -> int:
+        """The vocabulary id of draft-vocabulary logit ``index``."""
+        return index if self.vocab_ids is None else int(self.vocab_ids[index])
 
     def _stops(self, token_prob: float, path_prob: float) -> bool:
         return round_stops(token_prob, path_prob, self.confidence_threshold, self.path_confidence)

@@ -65,7 +65,8 @@ class SpeculativeDecoder:
     the target runs our float32 panel kernels (:mod:`verispec.models.screened_head`): the same tokens,
     ~20 ms less per pass of the 1.5B target here; False computes every logit in float32.
     ``tree_rows``: greedy passes fill up to this many rows (the chain's included) with the drafter's
-    runner-up tokens (:attr:`Proposal.alternatives`), best-scored first, where the target runs the
+    runner-up tokens (:attr:`Proposal.alternatives`, e.g. ``DraftModel(alternatives=2)``; a
+    drafter that offers none drafts chains as before), best-scored first, where the target runs the
     fused lean stack: a one-level draft tree. When the chain is rejected at a position where a
     runner-up is the target's token, that token and the target's next one are emitted too (exact:
     each branch row is computed bit for bit as that token fed in the chain). 0: chains only.
