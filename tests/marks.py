@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.models.panel_linear import bf16_kernels_available, panel_kernels_unavailable_reason
+from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, panel_kernels_unavailable_reason
 
 needs_bf16 = pytest.mark.skipif(
     panel_kernels_unavailable_reason() is not None or not bf16_kernels_available(), reason="the bfloat16 kernels need an AVX512-BF16 CPU"
+)
+needs_amx = pytest.mark.skipif(
+    panel_kernels_unavailable_reason() is not None or not bf16_kernels_available() or not bf16_uses_amx(),
+    reason="the bfloat16 AMX kernel needs a CPU with AMX tiles (and Linux granting their state)",
 )

@@ -170,7 +170,7 @@ def test_greedy_lm_head_option_reaches_every_decoder_and_keeps_the_text(tiny_ggu
 
 def test_target_dtype_serves_the_target_in_that_precision_with_the_same_text_either_way(tiny_gguf, capsys):
     from verispec.cli import _build_parser, target_dtype
-    from verispec.models.panel_linear import bf16_kernels_available
+    from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx
 
     for command in ("generate", "compare", "bench", "serve", "costs"):
         args = _build_parser().parse_args([command, "x"] if command in ("generate", "compare") else [command])
@@ -179,7 +179,7 @@ def test_target_dtype_serves_the_target_in_that_precision_with_the_same_text_eit
     common = ["generate", "--target", tiny_gguf, "--target-dtype", "bfloat16", "--max-new-tokens", "10", "--raw", "hello the"]
     assert main([*common, "--drafter", "none"]) == 0
     plain, err = capsys.readouterr()
-    kernels = "panel (bfloat16 dot products)" if bf16_kernels_available() else "dense"
+    kernels = ("panel (bfloat16 AMX tiles)" if bf16_uses_amx() else "panel (bfloat16 dot products)") if bf16_kernels_available() else "dense"
     assert f"target kernels: {kernels}" in err
     assert main([*common, "--drafter", "draft-model", "--draft", tiny_gguf]) == 0  # the draft stays float32 (int8)
     assert capsys.readouterr().out == plain

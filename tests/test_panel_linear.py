@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from marks import needs_bf16
+from marks import needs_amx, needs_bf16
 from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
@@ -287,6 +287,54 @@ def test_bf16_matches_a_float64_reference_and_rows_do_not_interact(rows, bias):
     torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-5)
     assert torch.equal(out, one_by_one)
     assert torch.equal(out_bf16, out.bfloat16())
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 128])
+def test_amx_tiles_match_a_float64_reference_and_rows_do_not_interact(rows):
+    # 192 inputs = 96 pairs, a multiple of the 16 pairs a tile takes: the product runs on AMX tiles.
+    # Rows past 16 go in chunks of 16; every row must come out as it does alone (exact verification).
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(192, 70).bfloat16()  # 70 outputs: the last panel is partly padding
+    panel = PanelLinear(layer)
+    x = torch.randn(rows, 192)
+    try:
+        with torch.inference_mode():
+            assert panel_linear.use_amx(True)
+            out = panel(x)
+            one_by_one = torch.cat([panel(x[i : i + 1]) for i in range(rows)])
+            assert not panel_linear.use_amx(False) and not panel_linear.bf16_uses_amx()
+            dot_products = panel(x)  # the vdpbf16ps kernel
+    finally:
+        panel_linear.use_amx(True)
+    reference = x.bfloat16().double() @ layer.weight.double().T + layer.bias.double()
+    torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out, one_by_one)
+    torch.testing.assert_close(out, dot_products, atol=1e-4, rtol=1e-5)
+
+
+@needs_amx
+def test_amx_runs_where_pairs_fill_whole_tiles_and_the_dot_products_elsewhere():
+    torch.manual_seed(0)
+    x = torch.randn(9, 1536)
+    results = {}
+    for inputs in (1536, 1530):  # 768 pairs (48 tiles deep, 6 k blocks) / 765 pairs (not a multiple of 16)
+        layer = torch.nn.Linear(inputs, 64).bfloat16()
+        panel = PanelLinear(layer)
+        try:
+            with torch.inference_mode():
+                panel_linear.use_amx(True)
+                amx = panel(x[:, :inputs])
+                panel_linear.use_amx(False)
+                dot_products = panel(x[:, :inputs])
+        finally:
+            panel_linear.use_amx(True)
+        reference = x[:, :inputs].bfloat16().double() @ layer.weight.double().T + layer.bias.double()
+        torch.testing.assert_close(amx.double(), reference, atol=1e-4, rtol=1e-5)  # k blocks continue their sums
+        results[inputs] = torch.equal(amx, dot_products)
+    # 1536 inputs: tiles sum each pair in their own rounding, so some of 576 sums differ in the last
+    # bits (the AMX path ran); 1530 inputs: the same kernel both times, bit for bit.
+    assert results == {1536: False, 1530: True}
 
 
 @needs_bf16

@@ -131,11 +131,12 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
     if kernels != "dense":
         use_gqa_attention(target.model)
     if kernels != "dense" and target.model.dtype == torch.bfloat16:
-        from verispec.models.panel_linear import bf16_kernels_available
+        from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx
 
         if bf16_kernels_available():  # twice float32's multiply-adds per instruction, half the bytes: no contest to time
             use_panel_kernels(target.model)
-            used = "panel (bfloat16 dot products)" + (" instead of packed (oneDNN packing here is float32 only)" if kernels == "packed" else "")
+            how = "AMX tiles" if bf16_uses_amx() else "dot products"
+            used = f"panel (bfloat16 {how})" + (" instead of packed (oneDNN packing here is float32 only)" if kernels == "packed" else "")
         else:
             used = "dense (this CPU or build lacks AVX512-BF16 for the bfloat16 few-row kernels)"
         print(f"verispec: target kernels: {used}", file=sys.stderr)

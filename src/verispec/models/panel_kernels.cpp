@@ -218,6 +218,84 @@ static void bf16_chunk_rows(int rows, const uint32_t* x, int64_t K2, const uint1
 #define BF16 0
 #endif
 
+#if BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+// bfloat16 products on AMX tiles (the library is built with them where the CPU has them). Why: a
+// vdpbf16ps line costs two instructions per row, so a verification pass over 17 rows of the 1.5B
+// target cost 2.6x a 1-row step on a 2-core Xeon (2026-12-03, `verispec costs --target-dtype
+// bfloat16`); one tdpbf16ps multiplies 16 rows by 16 k pairs by 16 columns, so passes up to a few
+// dozen rows stay at the cost of streaming the weight. The bf16 panels are already what a tile of
+// weights wants: pair-lines of 128 bytes, the first 64 bytes of 16 lines one tile (columns 0-15),
+// the last 64 bytes the next (columns 16-31). Each row's sums depend on that row alone, so a pass
+// over n rows gives every row what a 1-row pass gives (tested). Where k pairs are not a multiple of
+// 16, or the kernel cannot get the tile state, the vdpbf16ps kernel above runs instead.
+#define AMX_CHUNK_ROWS 16
+#define AMX_PAD_ROWS 16  // a chunk's tile reads the largest chunk's rows: row buffers carry readable rows past the last
+static int amx_enabled = 0;
+
+// Tiles 0, 1: sums (column halves) and 4: rows of x, `rows` rows each; 6, 7: weight halves, 16 rows;
+// all 64 bytes wide. A tile multiply takes time per configured row, so a 1-row step configures 1 row
+// (one configuration per row count, made when the kernel is enabled). They live in memory outside
+// the function: GCC's ldtilecfg intrinsic tells the compiler it reads only the first 8 bytes, so a
+// configuration built on the stack could be loaded half-written.
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static TileConfig amx_configs[17] __attribute__((aligned(64)));
+
+static void amx_make_configs() {
+  for (int rows = 1; rows <= 16; ++rows) {
+    TileConfig& config = amx_configs[rows];
+    memset(&config, 0, sizeof(config));
+    config.palette = 1;
+    config.rows[0] = config.rows[1] = config.rows[4] = (uint8_t)rows;
+    config.rows[6] = config.rows[7] = 16;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = config.rows[t] ? 64 : 0;  // an unused tile: both zero
+  }
+}
+
+// Tiles for chunks of up to `rows` rows (1..16).
+static inline void amx_configure(int64_t rows) { _tile_loadconfig(&amx_configs[rows]); }
+
+// out [R][32] (row stride 128 bytes) for x's rows from 0 (R as configured, readable) over k pairs k0..k1
+// (multiples of 16), continuing out's sums after the first k block as bf16_rows does. Passes over
+// 17-32 rows run as two chunks, the second reading the weight block from cache: on the 2-core Xeon
+// (24 copies of the 1.5B target's [8960, 1536] weight, 2 threads) 1 / 16 / 17 / 32 rows took
+// 50 / 56 / 75 / 74 ms (vdpbf16ps: 49 / 113 / 130 / 208); two row tiles sharing the weight tiles
+// were slower at 17 rows (1.5x 16 rows), and so was alternating two sets of tiles (1.45x at 1 row).
+// Without the software prefetch 1 row took 71 ms.
+static void amx_chunk_rows(const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
+  const int64_t x_stride = K2 * 4, out_stride = F32_PANEL * 4;
+  if (k0 == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+  } else {
+    _tile_loadd(0, out, out_stride);
+    _tile_loadd(1, out + 16, out_stride);
+  }
+  for (int64_t k = k0; k < k1; k += 16) {
+    const uint16_t* lines = panel + k * 2 * F32_PANEL;  // 16 pair-lines, 2 KB
+    for (int line = 0; line < 32; ++line) _mm_prefetch((const char*)lines + PREFETCH_BYTES + 64 * line, _MM_HINT_T2);
+    _tile_loadd(6, lines, 128);
+    _tile_loadd(7, lines + F32_PANEL, 128);
+    _tile_loadd(4, x + k, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_stored(0, out, out_stride);
+  _tile_stored(1, out + 16, out_stride);
+}
+
+static inline bool amx_runs(int64_t K2) { return amx_enabled && K2 % 16 == 0; }
+#else
+#define AMX 0
+#define AMX_PAD_ROWS 0
+#endif
+
 // One weight as the kernels take it: packed panels, per-output scales (int8) and, for the VNNI
 // layout, per-output sums of the int8 weights (to undo the +128 offset of the activations).
 struct Weight {
@@ -407,12 +485,27 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
 #pragma omp single
       bf16_pairs(x, M, K, (uint32_t*)q.xq);
     }
+    const auto with_bias = [&](float entry, int64_t, int64_t n) { return w.bias ? entry + w.bias[n] : entry; };
+#if AMX
+    const int64_t chunks = (M + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
+    if (chunks > 0 && amx_runs(K2)) {  // every thread of the region configures its own tiles: rows of the largest chunk
+      amx_configure((M + chunks - 1) / chunks);
+      for_panel_chunks<F32_PANEL, AMX_CHUNK_ROWS, float, ACCUMULATE, F32_K_BLOCK>(
+          M, N, K2, y, ldy,
+          [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
+            amx_chunk_rows(pairs + m0 * K2, K2, (const uint16_t*)w.packed + p * panel_words, out, k0, k1);
+          },
+          with_bias);
+      _tile_release();
+      return;
+    }
+#endif
     for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, ACCUMULATE, F32_K_BLOCK>(
         M, N, K2, y, ldy,
         [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
           bf16_chunk_rows(rows, pairs + m0 * K2, K2, (const uint16_t*)w.packed + p * panel_words, out, k0, k1);
         },
-        [&](float entry, int64_t, int64_t n) { return w.bias ? entry + w.bias[n] : entry; });
+        with_bias);
     return;
   }
 #endif
@@ -457,7 +550,8 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
 struct QuantizedBuffer {
   Quantized q;
   QuantizedBuffer(int64_t M, int64_t K, int64_t bytes = 1) {
-    q.xq = (uint8_t*)malloc(M * round_up4(K) * bytes + 64);
+    const int64_t padded = bytes == 2 && M > 0 ? M + AMX_PAD_ROWS : M;  // bfloat16 pairs: rows a tile may read
+    q.xq = (uint8_t*)calloc(padded * round_up4(K) * bytes + 64, 1);
     q.xscale = (float*)malloc(sizeof(float) * M);
   }
   ~QuantizedBuffer() {
@@ -786,19 +880,40 @@ void verispec_silu_mul(const float* g, const float* u, float* act, int64_t count
 // 1 where built with AVX512-BF16: verispec_panel_linear_bf16 runs.
 int verispec_has_bf16(void) { return BF16; }
 
+// 1 while bfloat16 products run on AMX tiles.
+int verispec_amx_enabled(void) {
+#if AMX
+  return amx_enabled;
+#else
+  return 0;
+#endif
+}
+
+// bfloat16 products on AMX tiles: enable (asking Linux for the tile state first) or disable them for
+// this process; returns whether they run now (0 where built without AMX or refused the state).
+int verispec_use_amx(int enable) {
+#if AMX
+  const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  amx_make_configs();
+  amx_enabled = enable && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return amx_enabled;
+#else
+  (void)enable;
+  return 0;
+#endif
+}
+
 // y [M, N] (float32) = x [M, K2 pairs] (bf16, K padded to even with zeros) . W^T + bias, W packed as
 // bf16_rows reads it. A no-op where built without AVX512-BF16 (verispec_has_bf16 says so first).
 void verispec_panel_linear_bf16(const uint32_t* x, int64_t M, int64_t K2, const uint16_t* packed, int64_t N, const float* bias,
                                 float* y, int num_threads) {
 #if BF16
-  const int64_t panel_words = K2 * 2 * F32_PANEL;
+  // The pairs go through the product's own buffer (with the rows a tile may read past the last).
+  QuantizedBuffer pairs(M, 2 * K2, 2);
+  memcpy(pairs.q.xq, x, sizeof(uint32_t) * M * K2);
+  const Weight w = {packed, N, 2 * K2, nullptr, nullptr, bias};
 #pragma omp parallel num_threads(num_threads)
-  for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, false, F32_K_BLOCK>(
-      M, N, K2, y, N,
-      [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
-        bf16_chunk_rows(rows, x + m0 * K2, K2, packed + p * panel_words, out, k0, k1);
-      },
-      [&](float entry, int64_t, int64_t n) { return bias ? entry + bias[n] : entry; });
+  panel_linear_for<BF16_WEIGHTS>(nullptr, M, w, y, pairs.q, 0, true);
 #else
   (void)x, (void)M, (void)K2, (void)packed, (void)N, (void)bias, (void)y, (void)num_threads;
 #endif

@@ -26,6 +26,11 @@ of 5) 65 / 77 ms for 1 / 9 rows against oneDNN's packed 71 / 99 ms; a 1-token in
 from 31 to 24 ms. With one accumulator chain per output there, a pass over n rows computes each
 row exactly as a 1-row pass does.
 
+Where the CPU also has AMX tiles (Intel Sapphire Rapids and later) the bfloat16 products run on
+them: one ``tdpbf16ps`` multiplies 16 rows by 16 input pairs by 16 outputs, so a verification pass
+over up to 16 rows streams the weight at the cost of a 1-row step (:func:`use_amx` switches them off
+and on, for comparisons; ``VERISPEC_NO_AMX=1`` builds without them).
+
 The kernel library is compiled on first use with the system C++ compiler (about a second) into the
 model cache, ``<cache>/kernels/``, keyed by a hash of the source and flags (the flags depend on the
 CPU). No compiler or no AVX2: :func:`panel_kernels_unavailable_reason` says why and callers keep
@@ -87,9 +92,10 @@ def _cpu_flags() -> set[str]:
 
 def _machine_flags() -> list[str]:
     """Compiler flags for this CPU beyond AVX2/FMA: AVX-512 for the wide float32 panels, and 8-bit
-    dot products (AVX-VNNI first; AVX512-VNNI needs AVX512-VL for its 256-bit form), if it has
-    them. ``VERISPEC_NO_AVX512=1`` / ``VERISPEC_NO_VNNI=1`` build without them (the tests run
-    the AVX2 paths that way on any machine)."""
+    dot products (AVX-VNNI first; AVX512-VNNI needs AVX512-VL for its 256-bit form), and bfloat16
+    dot products (AVX512-BF16, and AMX tiles on top), if it has them. ``VERISPEC_NO_AVX512=1`` /
+    ``VERISPEC_NO_VNNI=1`` / ``VERISPEC_NO_AMX=1`` build without them (the tests run the AVX2 paths
+    that way on any machine)."""
     cpu, flags = _cpu_flags(), []
     if "avx512f" in cpu and not os.environ.get("VERISPEC_NO_AVX512"):
         flags.append("-mavx512f")
@@ -100,6 +106,8 @@ def _machine_flags() -> list[str]:
             flags += _VNNI_FLAGS["avx512_vnni"]
     if {"avx512f", "avx512_bf16"} <= cpu and not os.environ.get("VERISPEC_NO_AVX512") and not os.environ.get("VERISPEC_NO_BF16"):
         flags += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
+        if {"amx_tile", "amx_bf16"} <= cpu and not os.environ.get("VERISPEC_NO_AMX"):
+            flags += ["-mamx-tile", "-mamx-bf16"]
     return flags
 
 
@@ -150,6 +158,9 @@ def panel_library() -> ctypes.CDLL:
     library.verispec_panel_linear_i8.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, pointer, pointer, ctypes.c_int]
     library.verispec_panel_linear_f32_panels.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
     library.verispec_has_bf16.restype = ctypes.c_int
+    library.verispec_use_amx.argtypes, library.verispec_use_amx.restype = [ctypes.c_int], ctypes.c_int
+    library.verispec_amx_enabled.restype = ctypes.c_int
+    library.verispec_use_amx(1)  # where built with AMX: asks Linux for the tile state; the kernel falls back without it
     library.verispec_panel_linear_bf16.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, ctypes.c_int]
     library.verispec_exp.argtypes = [pointer, pointer, int64]
     library.verispec_silu_mul.argtypes = [pointer, pointer, pointer, int64]
@@ -188,6 +199,18 @@ def pack_vnni_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def bf16_kernels_available() -> bool:
     """Whether bfloat16 weights run the panel kernels here (built with AVX512-BF16 dot products)."""
     return panel_kernels_unavailable_reason() is None and bool(panel_library().verispec_has_bf16())
+
+
+def use_amx(enable: bool) -> bool:
+    """Run bfloat16 products on AMX tiles (the default where the kernels were built with them) or on
+    AVX512-BF16 dot products; returns whether AMX runs now. For comparing the two in one process:
+    switch only between passes, as a pass's rows must all come from one kernel to be exact."""
+    return bool(panel_library().verispec_use_amx(int(enable)))
+
+
+def bf16_uses_amx() -> bool:
+    """Whether bfloat16 products run on AMX tiles here (built with them and enabled)."""
+    return panel_kernels_unavailable_reason() is None and bool(panel_library().verispec_amx_enabled())
 
 
 def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
