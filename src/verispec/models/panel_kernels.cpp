@@ -492,7 +492,7 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
       amx_configure((M + chunks - 1) / chunks);
       for_panel_chunks<F32_PANEL, AMX_CHUNK_ROWS, float, ACCUMULATE, F32_K_BLOCK>(
           M, N, K2, y, ldy,
-          [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
+          [&](int, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {  // a chunk's rows: the configured tile rows
             amx_chunk_rows(pairs + m0 * K2, K2, (const uint16_t*)w.packed + p * panel_words, out, k0, k1);
           },
           with_bias);
@@ -692,33 +692,32 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(e_r, _mm256_castsi256_ps(exponent));
 }
 
-// y[j] = e^x[j] for j < count (a tail shorter than 8 goes through the same lanes, zero-padded).
-static inline void exp_into(const float* x, float* y, int64_t count) {
+// out[j] = lanes(a[j], b[j]) for j < count, 8 floats at a time (b null: zeros); a tail shorter than 8
+// goes through the same lanes, zero-padded, so each value's result does not depend on where it sits.
+template <typename Lanes>
+static inline void map_lanes(const float* a, const float* b, float* out, int64_t count, Lanes lanes) {
   int64_t j = 0;
-  for (; j + 8 <= count; j += 8) _mm256_storeu_ps(y + j, exp8(_mm256_loadu_ps(x + j)));
+  for (; j + 8 <= count; j += 8) _mm256_storeu_ps(out + j, lanes(_mm256_loadu_ps(a + j), b ? _mm256_loadu_ps(b + j) : _mm256_setzero_ps()));
   if (j < count) {
-    float tail[8] = {0};
-    memcpy(tail, x + j, sizeof(float) * (count - j));
-    _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
-    memcpy(y + j, tail, sizeof(float) * (count - j));
+    float a_tail[8] = {0}, b_tail[8] = {0};
+    memcpy(a_tail, a + j, sizeof(float) * (count - j));
+    if (b) memcpy(b_tail, b + j, sizeof(float) * (count - j));
+    _mm256_storeu_ps(a_tail, lanes(_mm256_loadu_ps(a_tail), _mm256_loadu_ps(b_tail)));
+    memcpy(out + j, a_tail, sizeof(float) * (count - j));
   }
+}
+
+// y[j] = e^x[j] for j < count.
+static inline void exp_into(const float* x, float* y, int64_t count) {
+  map_lanes(x, nullptr, y, count, [](__m256 xv, __m256) { return exp8(xv); });
 }
 
 // act[j] = silu(g[j]) * u[j] = g / (1 + e^-g) * u for j < count.
 static inline void silu_mul_into(const float* g, const float* u, float* act, int64_t count) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-  const auto lanes = [&](__m256 gv, __m256 uv) {
+  map_lanes(g, u, act, count, [&](__m256 gv, __m256 uv) {
     return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)))), uv);
-  };
-  int64_t j = 0;
-  for (; j + 8 <= count; j += 8) _mm256_storeu_ps(act + j, lanes(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
-  if (j < count) {
-    float gt[8] = {0}, ut[8] = {0};
-    memcpy(gt, g + j, sizeof(float) * (count - j));
-    memcpy(ut, u + j, sizeof(float) * (count - j));
-    _mm256_storeu_ps(gt, lanes(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
-    memcpy(act + j, gt, sizeof(float) * (count - j));
-  }
+  });
 }
 
 template <int KIND>
