@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, panel_kernels_unavailable_reason
+from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, int8_uses_amx, panel_kernels_unavailable_reason
 
 needs_bf16 = pytest.mark.skipif(
     panel_kernels_unavailable_reason() is not None or not bf16_kernels_available(), reason="the bfloat16 kernels need an AVX512-BF16 CPU"
@@ -12,4 +12,8 @@ needs_bf16 = pytest.mark.skipif(
 needs_amx = pytest.mark.skipif(
     not bf16_uses_amx(),  # False without the kernels, without AVX512-BF16 (AMX builds on it) or without the tile state
     reason="the bfloat16 AMX kernel needs a CPU with AMX tiles (and Linux granting their state)",
+)
+needs_amx_int8 = pytest.mark.skipif(
+    not int8_uses_amx(),  # False without the kernels, without VNNI (the int8 layout AMX reads) or without the tile state
+    reason="the int8 AMX kernel needs a CPU with AMX tiles (and Linux granting their state)",
 )

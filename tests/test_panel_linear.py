@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from marks import needs_amx, needs_bf16
+from marks import needs_amx, needs_amx_int8, needs_bf16
 from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
 from verispec.models.packed_linear import pack_linears
-from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, pack_bf16_panels, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, int8_uses_amx, pack_bf16_panels, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
 
 needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
@@ -103,13 +103,16 @@ def test_long_passes_run_the_kernels_in_chunks_when_asked():
     torch.testing.assert_close(layer(many), linear(many), atol=1e-5, rtol=1e-5)
     assert layer(many[None]).shape == (1, len(many), 40)
     quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(32, 40)))[0]
-    assert not PanelLinear(quantized, chunk_long_passes=True).chunk_long_passes  # int8 drafts keep fbgemm for long passes
+    # int8 drafts keep fbgemm for long passes, except on AMX tiles, where their prompt runs the kernel
+    assert PanelLinear(quantized, chunk_long_passes=True).chunk_long_passes == int8_uses_amx()
+    assert PanelLinear(quantized).chunk_long_passes == int8_uses_amx()
 
 
 def row_quantized(x: torch.Tensor) -> torch.Tensor:
-    """x # [rows, in] as the VNNI kernel sees it: round(x / s) * s, s = max|row| / 127 (float64)."""
-    scale = x.double().abs().amax(dim=1, keepdim=True) / 127
-    return torch.round(x.double() / scale) * scale
+    """x # [rows, in] as the VNNI kernel sees it: round(x * (1 / s)) * s, s = max|row| / 127, in
+    float32 as the kernel computes them (a float64 division rounds a near-tie the other way now and then)."""
+    scale = x.abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(x * (1 / scale)).double() * scale.double()
 
 
 @needs_kernels
@@ -118,7 +121,7 @@ def test_int8_uses_the_same_int8_rows_and_scales(rows):
     torch.manual_seed(rows)
     quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]  # widths off every vector multiple
     layer = PanelLinear(quantized)
-    assert layer.max_kernel_rows == (MAX_VNNI_KERNEL_ROWS if int8_uses_vnni() else MAX_INT8_KERNEL_ROWS)
+    assert layer.max_kernel_rows == (MAX_KERNEL_ROWS if int8_uses_amx() else MAX_VNNI_KERNEL_ROWS if int8_uses_vnni() else MAX_INT8_KERNEL_ROWS)
     weight = quantized.weight()
     dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
     x = torch.randn(rows, 70)
@@ -132,6 +135,88 @@ def test_int8_uses_the_same_int8_rows_and_scales(rows):
     else:
         # Float activations times the exact int8 weights: far closer than fbgemm's quantised activations.
         torch.testing.assert_close(out.double(), x.double() @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("outputs", [8, 20, 40, 64])  # 1, 3, 5, 8 panels: groups of four panels with 1-4 in the last
+def test_int8_amx_tiles_give_the_dot_products_sums_bit_for_bit(outputs):
+    # 192 inputs (3 tiles of 64): the tiles run from AMX_INT8_MIN_ROWS rows on. Integer sums are exact
+    # either way, so tiles, dot products and one row at a time must agree bit for bit, and long
+    # passes (150 rows: 128 + 22) run the kernel in pieces.
+    torch.manual_seed(outputs)
+    quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(192, outputs)))[0]
+    layer = PanelLinear(quantized)
+    assert layer.max_kernel_rows == MAX_KERNEL_ROWS and layer.chunk_long_passes
+    weight = quantized.weight()
+    dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
+    for rows in (1, 5, 6, 16, 17, 33, 128, 150):
+        x = torch.randn(rows, 192)
+        try:
+            with torch.inference_mode():
+                tiles = layer(x)
+                one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+                assert not panel_linear.use_amx(False) and not int8_uses_amx()
+                dot_products = layer(x)
+        finally:
+            panel_linear.use_amx(True)
+        torch.testing.assert_close(tiles.double(), row_quantized(x) @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+        assert torch.equal(tiles, dot_products) and torch.equal(tiles, one_by_one), rows
+
+
+@needs_amx_int8
+def test_int8_widths_off_the_tiles_run_the_dot_products():
+    # 70 inputs (72 after padding to quads) do not fill 64-byte tile rows: the VNNI kernel runs, and a
+    # long pass still goes through it in pieces, matching the same formula.
+    torch.manual_seed(0)
+    quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]
+    layer = PanelLinear(quantized)
+    weight = quantized.weight()
+    dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
+    x = torch.randn(140, 70)
+    with torch.inference_mode():
+        out = layer(x)
+    torch.testing.assert_close(out.double(), row_quantized(x) @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+
+
+def tile_filling_model(dtype: torch.dtype):
+    """A tiny Qwen2 model whose widths fill AMX tiles (hidden 64, intermediate 128), int8 or bfloat16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    return quantize_int8(model) if dtype == torch.int8 else use_panel_kernels(model.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.int8, marks=needs_amx_int8), pytest.param(torch.bfloat16, marks=needs_amx)])
+def test_a_long_prompt_runs_the_fused_stack_in_pieces_on_amx_tiles(dtype):
+    # An int8 draft's or a bfloat16 target's 150-token prompt goes through the one-call stack as 128 +
+    # 22 rows. Every row's products and attention depend on that row alone, so its top-layer features
+    # equal feeding the prompt 10 tokens at a time, bit for bit, and so do the caches after it.
+    from verispec.engine.lean_lm import LeanDecoder, LeanLM
+
+    model = tile_filling_model(dtype)
+    decoder = LeanDecoder(model)
+    assert decoder.fused is not None and decoder.fused.max_rows == MAX_KERNEL_ROWS and decoder.fused.chunks_long_passes
+    prompt = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    # through the kernels, as a draft model runs its head (fbgemm's would quantise per call)
+    head = model.lm_head if isinstance(model.lm_head, PanelLinear) else PanelLinear(model.lm_head)
+    whole, pieces = LeanLM(model, decoder, lm_head=head), LeanLM(model, decoder, lm_head=head)
+    calls = []
+    original = type(decoder.fused).__call__
+    try:
+        type(decoder.fused).__call__ = lambda self, hidden, *args, **kwargs: calls.append(len(hidden)) or original(self, hidden, *args, **kwargs)
+        features = whole.extend(prompt, num_logits=1).features
+    finally:
+        type(decoder.fused).__call__ = original
+    assert calls == [128, 22]
+    stepped = torch.cat([pieces.extend(prompt[first : first + 10], num_logits=1).features for first in range(0, 150, 10)])
+    assert torch.equal(features, stepped)
+    next_whole, next_pieces = (lm.extend([5], num_logits=1).logits for lm in (whole, pieces))  # the caches agree too
+    assert torch.equal(next_whole, next_pieces)
 
 
 def test_vnni_panels_hold_each_column_four_inputs_at_a_time():

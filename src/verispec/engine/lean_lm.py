@@ -39,11 +39,16 @@ from torch import nn
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.cached_lm import CachedLM, ForwardOutput
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
-from verispec.models.panel_linear import PanelLinear, bf16_kernels_available, panel_library, panel_or_same
+from verispec.models.panel_linear import PanelLinear, bf16_kernels_available, bf16_uses_amx, int8_uses_amx, panel_library, panel_or_same
 from verispec.models.quantize import is_quantized, stacked_linear
 from verispec.models.screened_head import ScreenedArgmaxHead
 
 _FAMILIES = ("llama", "qwen2", "mistral")
+# Passes over more tokens than the fused stack takes per call run it in pieces (where its products are
+# on AMX tiles) up to this many tokens; longer ones go op by op, where PyTorch's attention is the
+# faster: the stack's own attention is written for a few new rows (the 0.5B int8 draft's prompt of
+# 512 / 1,024 / 2,048 tokens: 1.4 / 4.0 / 11.5 s in pieces against 1.4 / 4.0 / 8.9 s op by op).
+MAX_CHUNKED_PASS = 1024
 
 
 def lean_unsupported_reason(model: nn.Module) -> str | None:
@@ -235,6 +240,12 @@ class LeanDecoder:
         cos, sin = rotary_cos_sin(torch.arange(start, start + num_new, dtype=torch.float32), self.inv_freq)  # [n, head_dim]
         if self.fused is not None and num_new <= self.fused.max_rows:
             return self.fused(self.embed(input_ids), [caches], [num_new], cos, sin)
+        if self.fused is not None and self.fused.chunks_long_passes and num_new <= MAX_CHUNKED_PASS:  # a prompt, max_rows at a time
+            embedded, rows = self.embed(input_ids), self.fused.max_rows
+            return torch.cat([
+                self.fused(embedded[first : first + rows], [caches], [min(rows, num_new - first)], cos[first : first + rows], sin[first : first + rows])
+                for first in range(0, num_new, rows)
+            ])
         mask = causal_mask_after(start, num_new)
         shape = (self.hidden_size,)
         hidden = self.embed(input_ids)  # [n, hidden]
@@ -298,6 +309,12 @@ class _FusedStack:
         self.is_int8 = products[0].is_int8
         self.kind = 1 if self.is_int8 else 2 if products[0].is_bf16 else 0  # WeightKind in panel_kernels.cpp
         self.max_rows = min(module.max_kernel_rows for module in products)
+        # Longer passes (a prompt) as several calls of max_rows rows where the products run AMX tiles:
+        # the 0.5B int8 draft's 150-token prompt in two calls instead of op by op through fbgemm; a
+        # bfloat16 target's 140 / 250-token prompt 0.97 / 1.77 s against 1.25 / 2.45 s op by op through
+        # PyTorch's bfloat16 products (README, Performance). Float32 passes keep the product
+        # --target-kernels auto timed.
+        self.chunks_long_passes = (self.is_int8 and int8_uses_amx()) or (products[0].is_bf16 and bf16_uses_amx())
         intermediate = decoder.layers[0].down_proj.in_features
         first = decoder.layers[0]
         self.dims = (ctypes.c_int64 * 8)(

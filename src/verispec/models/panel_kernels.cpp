@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include <type_traits>
+#include <initializer_list>
 
 #define PANEL 8  // int8 panels, and float32 ones without AVX-512
 #define MAX_CHUNK_ROWS 12
@@ -218,48 +219,61 @@ static void bf16_chunk_rows(int rows, const uint32_t* x, int64_t K2, const uint1
 #define BF16 0
 #endif
 
-#if BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define AMX 1
+#if defined(__AMX_TILE__) && ((BF16 && defined(__AMX_BF16__)) || (VNNI && defined(__AMX_INT8__)))
+#define AMX_TILES 1
 #include <sys/syscall.h>
 #include <unistd.h>
-// bfloat16 products on AMX tiles (the library is built with them where the CPU has them). Why: a
-// vdpbf16ps line costs two instructions per row, so a verification pass over 17 rows of the 1.5B
-// target cost 2.6x a 1-row step on a 2-core Xeon (2026-12-03, `verispec costs --target-dtype
-// bfloat16`); one tdpbf16ps multiplies 16 rows by 16 k pairs by 16 columns, so passes up to a few
-// dozen rows stay at the cost of streaming the weight. The bf16 panels are already what a tile of
-// weights wants: pair-lines of 128 bytes, the first 64 bytes of 16 lines one tile (columns 0-15),
-// the last 64 bytes the next (columns 16-31). Each row's sums depend on that row alone, so a pass
-// over n rows gives every row what a 1-row pass gives (tested). Where k pairs are not a multiple of
-// 16, or the kernel cannot get the tile state, the vdpbf16ps kernel above runs instead.
+// AMX tiles (the library is built with them where the CPU has them): one tile multiply takes 16
+// rows of activations by a 64-byte run of k by 16 weight lines, where a dot-product instruction
+// takes one row, so passes over a few dozen rows stay at the cost of streaming the weight (bfloat16
+// below, int8 after the VNNI kernel). Each row's sums depend on that row alone, so a pass over n rows
+// gives every row what a 1-row pass gives (tested). Where a width does not fill the tiles, or the
+// kernel cannot get the tile state, the dot-product kernels run instead.
 #define AMX_CHUNK_ROWS 16
 #define AMX_PAD_ROWS 16  // a chunk's tile reads the largest chunk's rows: row buffers carry readable rows past the last
 static int amx_enabled = 0;
 
-// Tiles 0, 1: sums (column halves) and 4: rows of x, `rows` rows each; 6, 7: weight halves, 16 rows;
-// all 64 bytes wide. A tile multiply takes time per configured row, so a 1-row step configures 1 row
-// (one configuration per row count, made when the kernel is enabled). They live in memory outside
-// the function: GCC's ldtilecfg intrinsic tells the compiler it reads only the first 8 bytes, so a
-// configuration built on the stack could be loaded half-written.
+// A tile configuration per row count: a tile multiply takes time per configured row, so a 1-row
+// step configures 1 row. They live in memory outside the functions: GCC's ldtilecfg intrinsic tells
+// the compiler it reads only the first 8 bytes, so a configuration built on the stack could be
+// loaded half-written. An unused tile has rows and colsb both zero.
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 };
-static TileConfig amx_configs[17] __attribute__((aligned(64)));
 
-static void amx_make_configs() {
+// Tiles `sums` (each `sum_bytes` wide) and `inputs` (rows of x, 64 bytes) with `rows` rows;
+// `weights` (each `weight_bytes` wide) with 16 rows.
+static void amx_make_configs(TileConfig (&configs)[17], std::initializer_list<int> sums, int sum_bytes, std::initializer_list<int> inputs,
+                             std::initializer_list<int> weights, int weight_bytes) {
   for (int rows = 1; rows <= 16; ++rows) {
-    TileConfig& config = amx_configs[rows];
+    TileConfig& config = configs[rows];
     memset(&config, 0, sizeof(config));
     config.palette = 1;
-    config.rows[0] = config.rows[1] = config.rows[4] = (uint8_t)rows;
-    config.rows[6] = config.rows[7] = 16;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = config.rows[t] ? 64 : 0;  // an unused tile: both zero
+    for (int t : sums) config.rows[t] = (uint8_t)rows, config.colsb[t] = (uint16_t)sum_bytes;
+    for (int t : inputs) config.rows[t] = (uint8_t)rows, config.colsb[t] = 64;
+    for (int t : weights) config.rows[t] = 16, config.colsb[t] = (uint16_t)weight_bytes;
   }
 }
+#else
+#define AMX_TILES 0
+#define AMX_PAD_ROWS 0
+#endif
+
+#if AMX_TILES && BF16 && defined(__AMX_BF16__)
+#define AMX_BF16 1
+// bfloat16 products on tiles. Why: a vdpbf16ps line costs two instructions per row, so a
+// verification pass over 17 rows of the 1.5B target cost 2.6x a 1-row step on a 2-core Xeon
+// (2026-12-03, `verispec costs --target-dtype bfloat16`). The bf16 panels are already what a tile of
+// weights wants: pair-lines of 128 bytes, the first 64 bytes of 16 lines one tile (columns 0-15),
+// the last 64 bytes the next (columns 16-31). Where k pairs are not a multiple of 16 the vdpbf16ps
+// kernel above runs.
+// Tiles 0, 1: sums (column halves) and 4: rows of x; 6, 7: weight halves; all 64 bytes wide.
+static TileConfig amx_bf16_configs[17] __attribute__((aligned(64)));
 
 // Tiles for chunks of up to `rows` rows (1..16).
-static inline void amx_configure(int64_t rows) { _tile_loadconfig(&amx_configs[rows]); }
+static inline void amx_bf16_configure(int64_t rows) { _tile_loadconfig(&amx_bf16_configs[rows]); }
 
 // out [R][32] (row stride 128 bytes) for x's rows from 0 (R as configured, readable) over k pairs k0..k1
 // (multiples of 16), continuing out's sums after the first k block as bf16_rows does. Passes over
@@ -268,7 +282,7 @@ static inline void amx_configure(int64_t rows) { _tile_loadconfig(&amx_configs[r
 // 50 / 56 / 75 / 74 ms (vdpbf16ps: 49 / 113 / 130 / 208); two row tiles sharing the weight tiles
 // were slower at 17 rows (1.5x 16 rows), and so was alternating two sets of tiles (1.45x at 1 row).
 // Without the software prefetch 1 row took 71 ms.
-static void amx_chunk_rows(const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
+static void amx_bf16_chunk_rows(const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
   const int64_t x_stride = K2 * 4, out_stride = F32_PANEL * 4;
   if (k0 == 0) {
     _tile_zero(0);
@@ -290,10 +304,9 @@ static void amx_chunk_rows(const uint32_t* x, int64_t K2, const uint16_t* panel,
   _tile_stored(1, out + 16, out_stride);
 }
 
-static inline bool amx_runs(int64_t K2) { return amx_enabled && K2 % 16 == 0; }
+static inline bool amx_bf16_runs(int64_t K2) { return amx_enabled && K2 % 16 == 0; }
 #else
-#define AMX 0
-#define AMX_PAD_ROWS 0
+#define AMX_BF16 0
 #endif
 
 // One weight as the kernels take it: packed panels, per-output scales (int8) and, for the VNNI
@@ -386,6 +399,65 @@ static void vnni_chunk_rows(int rows, const uint8_t* xq, int64_t K4, const int8_
     default: vnni_rows<8, 1>(xq, K4, panel, out); break;
   }
 }
+#endif
+
+#if AMX_TILES && VNNI && defined(__AMX_INT8__)
+#define AMX_INT8 1
+// int8 products on tiles (tdpbusd: unsigned 8-bit activations by signed 8-bit weights into int32),
+// the same integer sums as vnni_rows (exact either way), so every output is bit for bit the dot
+// products' value. Why: a dot-product instruction takes one row, so the int8 kernel was kept to 16
+// rows and a draft's prompt pass went op by op through PyTorch's int8 products (a 100-token prompt
+// of the 0.5B draft: 165-183 ms against 88-90 ms now, 2-core Xeon, 2026-12-03). A VNNI panel is 8
+// columns, a quad-line of 32 bytes per 4 k, so 16 quad-lines (64 k) are one 32-byte-wide weight
+// tile. One tile of x rows serves four panels' weight tiles: with one panel per x tile, loading the
+// x rows (16 lines from L2) took most of the time (perf); two panels per x tile were 0.84x one at
+// 128 rows, and with four the draft's products over 128 rows took 67.5 against 250.7 ms on the dot
+// products (one-off timings).
+static TileConfig amx_int8_configs[17] __attribute__((aligned(64)));
+
+#define AMX_INT8_PANELS 4  // panels per weight-tile group: one tile of x rows serves four weight tiles
+// out [R][AMX_INT8_PANELS PANEL] (R as configured, readable rows of xq) = xq rows . `count` panels
+// from `panel` (1..AMX_INT8_PANELS; the other columns are left as they are), over all of K4 (a
+// multiple of 64). Tiles 0-3: sums; 4: rows of x; 5-7: weights (the fourth panel reuses tile 5).
+static void amx_int8_chunk_rows(const uint8_t* xq, int64_t K4, const int8_t* panel, int count, int32_t* out) {
+  const int64_t panel_bytes = K4 * PANEL;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K4; k += 64) {
+    const int8_t* lines = panel + k * PANEL;  // 16 quad-lines of the first panel, 512 bytes
+    for (int c = 0; c < count; ++c)
+      for (int line = 0; line < 8; ++line) _mm_prefetch((const char*)(lines + c * panel_bytes) + PREFETCH_BYTES + 64 * line, _MM_HINT_T2);
+    _tile_loadd(4, xq + k, K4);
+    _tile_loadd(5, lines, PANEL * 4);
+    _tile_dpbusd(0, 4, 5);
+    if (count > 1) {
+      _tile_loadd(6, lines + panel_bytes, PANEL * 4);
+      _tile_dpbusd(1, 4, 6);
+    }
+    if (count > 2) {
+      _tile_loadd(7, lines + 2 * panel_bytes, PANEL * 4);
+      _tile_dpbusd(2, 4, 7);
+    }
+    if (count > 3) {
+      _tile_loadd(5, lines + 3 * panel_bytes, PANEL * 4);
+      _tile_dpbusd(3, 4, 5);
+    }
+  }
+  const int64_t stride = AMX_INT8_PANELS * PANEL * 4;
+  _tile_stored(0, out, stride);
+  if (count > 1) _tile_stored(1, out + PANEL, stride);
+  if (count > 2) _tile_stored(2, out + 2 * PANEL, stride);
+  if (count > 3) _tile_stored(3, out + 3 * PANEL, stride);
+}
+
+// From this many rows: below it the dot products were 4-5% faster (the 0.5B draft's products, 1-4
+// rows, paired timings in one process), from 6 rows the tiles (0.89x at 6, 0.72x at 8).
+#define AMX_INT8_MIN_ROWS 6
+static inline bool amx_int8_runs(int64_t M, int64_t K4) { return amx_enabled && M >= AMX_INT8_MIN_ROWS && K4 % 64 == 0; }
+#else
+#define AMX_INT8 0
 #endif
 
 static inline void store(float* y, float value, bool accumulate) {
@@ -486,14 +558,14 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
       bf16_pairs(x, M, K, (uint32_t*)q.xq);
     }
     const auto with_bias = [&](float entry, int64_t, int64_t n) { return w.bias ? entry + w.bias[n] : entry; };
-#if AMX
+#if AMX_BF16
     const int64_t chunks = (M + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
-    if (chunks > 0 && amx_runs(K2)) {  // every thread of the region configures its own tiles: rows of the largest chunk
-      amx_configure((M + chunks - 1) / chunks);
+    if (chunks > 0 && amx_bf16_runs(K2)) {  // every thread of the region configures its own tiles: rows of the largest chunk
+      amx_bf16_configure((M + chunks - 1) / chunks);
       for_panel_chunks<F32_PANEL, AMX_CHUNK_ROWS, float, ACCUMULATE, F32_K_BLOCK>(
           M, N, K2, y, ldy,
           [&](int, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {  // a chunk's rows: the configured tile rows
-            amx_chunk_rows(pairs + m0 * K2, K2, (const uint16_t*)w.packed + p * panel_words, out, k0, k1);
+            amx_bf16_chunk_rows(pairs + m0 * K2, K2, (const uint16_t*)w.packed + p * panel_words, out, k0, k1);
           },
           with_bias);
       _tile_release();
@@ -516,15 +588,32 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
 #pragma omp single
       quantize_rows(x, M, K, q);
     }
+    const auto scaled = [&](int32_t dot, int64_t m, int64_t n) {
+      const float value = (float)(dot - 128 * w.colsum[n]) * q.xscale[m] * w.scale[n];
+      return w.bias ? value + w.bias[n] : value;
+    };
+#if AMX_INT8
+    const int64_t chunks = (M + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
+    if (chunks > 0 && amx_int8_runs(M, K4)) {  // every thread of the region configures its own tiles: rows of the largest chunk
+      _tile_loadconfig(&amx_int8_configs[(M + chunks - 1) / chunks]);
+      const int64_t num_panels = (N + PANEL - 1) / PANEL;
+      for_panel_chunks<AMX_INT8_PANELS * PANEL, AMX_CHUNK_ROWS, int32_t, ACCUMULATE>(
+          M, N, K, y, ldy,
+          [&](int, int64_t m0, int64_t g, int32_t* out, int64_t, int64_t) {  // a chunk's rows: the configured tile rows
+            const int64_t first = AMX_INT8_PANELS * g, count = num_panels - first < AMX_INT8_PANELS ? num_panels - first : AMX_INT8_PANELS;
+            amx_int8_chunk_rows(q.xq + m0 * K4, K4, (const int8_t*)w.packed + first * K4 * PANEL, (int)count, out);
+          },
+          scaled);
+      _tile_release();
+      return;
+    }
+#endif
     for_panel_chunks<PANEL, MAX_VNNI_CHUNK_ROWS, int32_t, ACCUMULATE>(
         M, N, K, y, ldy,
         [&](int rows, int64_t m0, int64_t p, int32_t* out, int64_t, int64_t) {
           vnni_chunk_rows(rows, q.xq + m0 * K4, K4, (const int8_t*)w.packed + p * K4 * PANEL, out);
         },
-        [&](int32_t dot, int64_t m, int64_t n) {
-          const float value = (float)(dot - 128 * w.colsum[n]) * q.xscale[m] * w.scale[n];
-          return w.bias ? value + w.bias[n] : value;
-        });
+        scaled);
     return;
   }
 #endif
@@ -550,7 +639,7 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
 struct QuantizedBuffer {
   Quantized q;
   QuantizedBuffer(int64_t M, int64_t K, int64_t bytes = 1) {
-    const int64_t padded = bytes == 2 && M > 0 ? M + AMX_PAD_ROWS : M;  // bfloat16 pairs: rows a tile may read
+    const int64_t padded = M > 0 ? M + AMX_PAD_ROWS : M;  // rows a tile may read past the last
     q.xq = (uint8_t*)calloc(padded * round_up4(K) * bytes + 64, 1);
     q.xscale = (float*)malloc(sizeof(float) * M);
   }
@@ -879,21 +968,29 @@ void verispec_silu_mul(const float* g, const float* u, float* act, int64_t count
 // 1 where built with AVX512-BF16: verispec_panel_linear_bf16 runs.
 int verispec_has_bf16(void) { return BF16; }
 
-// 1 while bfloat16 products run on AMX tiles.
+// 1 while products run on AMX tiles (bfloat16 ones where built with AMX-BF16, int8 ones with AMX-INT8).
 int verispec_amx_enabled(void) {
-#if AMX
+#if AMX_TILES
   return amx_enabled;
 #else
   return 0;
 #endif
 }
 
-// bfloat16 products on AMX tiles: enable (asking Linux for the tile state first) or disable them for
-// this process; returns whether they run now (0 where built without AMX or refused the state).
+// Which weight kinds the library can run on tiles: 1 bfloat16, 2 int8 (bits).
+int verispec_amx_kinds(void) { return AMX_BF16 | (AMX_INT8 << 1); }
+
+// Products on AMX tiles: enable (asking Linux for the tile state first) or disable them for this
+// process; returns whether they run now (0 where built without AMX or refused the state).
 int verispec_use_amx(int enable) {
-#if AMX
+#if AMX_TILES
   const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  amx_make_configs();
+#if AMX_BF16
+  amx_make_configs(amx_bf16_configs, {0, 1}, 64, {4}, {6, 7}, 64);
+#endif
+#if AMX_INT8
+  amx_make_configs(amx_int8_configs, {0, 1, 2, 3}, PANEL * 4, {4}, {5, 6, 7}, PANEL * 4);
+#endif
   amx_enabled = enable && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   return amx_enabled;
 #else

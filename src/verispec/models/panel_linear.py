@@ -28,8 +28,11 @@ row exactly as a 1-row pass does.
 
 Where the CPU also has AMX tiles (Intel Sapphire Rapids and later) the bfloat16 products run on
 them: one ``tdpbf16ps`` multiplies 16 rows by 16 input pairs by 16 outputs, so a verification pass
-over up to 16 rows streams the weight at the cost of a 1-row step (:func:`use_amx` switches them off
-and on, for comparisons; ``VERISPEC_NO_AMX=1`` builds without them).
+over up to 16 rows streams the weight at the cost of a 1-row step. int8 products over 6 rows or more
+run there too (``tdpbusd``, the same integer sums as the dot products, so the same outputs bit for
+bit), and int8 layers then take up to ``MAX_KERNEL_ROWS`` rows a call and long passes in pieces: a
+draft's catch-up after a lookup round and its prompt pass. :func:`use_amx` switches the tiles off
+and on, for comparisons; ``VERISPEC_NO_AMX=1`` builds without them.
 
 The kernel library is compiled on first use with the system C++ compiler (about a second) into the
 model cache, ``<cache>/kernels/``, keyed by a hash of the source and flags (the flags depend on the
@@ -97,6 +100,7 @@ def _machine_flags() -> list[str]:
     ``VERISPEC_NO_VNNI=1`` / ``VERISPEC_NO_AMX=1`` build without them (the tests run the AVX2 paths
     that way on any machine)."""
     cpu, flags = _cpu_flags(), []
+    amx = "amx_tile" in cpu and not os.environ.get("VERISPEC_NO_AMX")
     if "avx512f" in cpu and not os.environ.get("VERISPEC_NO_AVX512"):
         flags.append("-mavx512f")
     if not os.environ.get("VERISPEC_NO_VNNI"):
@@ -104,11 +108,13 @@ def _machine_flags() -> list[str]:
             flags += _VNNI_FLAGS["avx_vnni"]
         elif {"avx512_vnni", "avx512vl"} <= cpu:
             flags += _VNNI_FLAGS["avx512_vnni"]
+        if amx and "amx_int8" in cpu and any(flag in flags for flag in ("-mavxvnni", "-mavx512vnni")):
+            flags += ["-mamx-tile", "-mamx-int8"]
     if {"avx512f", "avx512_bf16"} <= cpu and not os.environ.get("VERISPEC_NO_AVX512") and not os.environ.get("VERISPEC_NO_BF16"):
         flags += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
-        if {"amx_tile", "amx_bf16"} <= cpu and not os.environ.get("VERISPEC_NO_AMX"):
+        if amx and "amx_bf16" in cpu:
             flags += ["-mamx-tile", "-mamx-bf16"]
-    return flags
+    return list(dict.fromkeys(flags))  # -mamx-tile once
 
 
 def panel_kernels_unavailable_reason() -> str | None:
@@ -160,6 +166,7 @@ def panel_library() -> ctypes.CDLL:
     library.verispec_has_bf16.restype = ctypes.c_int
     library.verispec_use_amx.argtypes, library.verispec_use_amx.restype = [ctypes.c_int], ctypes.c_int
     library.verispec_amx_enabled.restype = ctypes.c_int
+    library.verispec_amx_kinds.restype = ctypes.c_int
     library.verispec_use_amx(1)  # where built with AMX: asks Linux for the tile state; the kernel falls back without it
     library.verispec_panel_linear_bf16.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, ctypes.c_int]
     library.verispec_exp.argtypes = [pointer, pointer, int64]
@@ -202,15 +209,26 @@ def bf16_kernels_available() -> bool:
 
 
 def use_amx(enable: bool) -> bool:
-    """Run bfloat16 products on AMX tiles (the default where the kernels were built with them) or on
-    AVX512-BF16 dot products; returns whether AMX runs now. For comparing the two in one process:
-    switch only between passes, as a pass's rows must all come from one kernel to be exact."""
+    """Run products on AMX tiles (the default where the kernels were built with them: bfloat16 and
+    int8 products) or on dot products (AVX512-BF16, VNNI); returns whether AMX runs now. For
+    comparing the two in one process: switch only between passes, as a pass's rows must all come from
+    one kernel to be exact (int8 sums are integers, the same either way; bfloat16 ones are not)."""
     return bool(panel_library().verispec_use_amx(int(enable)))
+
+
+def _amx_runs(kind_bit: int) -> bool:
+    library = panel_library() if panel_kernels_unavailable_reason() is None else None
+    return library is not None and bool(library.verispec_amx_kinds() & kind_bit) and bool(library.verispec_amx_enabled())
 
 
 def bf16_uses_amx() -> bool:
     """Whether bfloat16 products run on AMX tiles here (built with them and enabled)."""
-    return panel_kernels_unavailable_reason() is None and bool(panel_library().verispec_amx_enabled())
+    return _amx_runs(1)
+
+
+def int8_uses_amx() -> bool:
+    """Whether int8 products (VNNI layout) run on AMX tiles here (built with them and enabled)."""
+    return _amx_runs(2)
 
 
 def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -276,7 +294,11 @@ class PanelLinear(nn.Module):
             self.packed, self.max_kernel_rows = pack_bf16_panels(rows), MAX_KERNEL_ROWS
         elif self.is_int8 and int8_uses_vnni():
             self.packed, self.colsum = pack_vnni_panels(rows)  # [ceil(out/8), ceil(in/4), 8, 4], [out]
-            self.max_kernel_rows = MAX_VNNI_KERNEL_ROWS
+            # On AMX tiles a pass over many rows streams the weight once per 16 rows: a draft's
+            # prompt runs the kernel too, in pieces of MAX_KERNEL_ROWS rows.
+            amx = int8_uses_amx()
+            self.max_kernel_rows = MAX_KERNEL_ROWS if amx else MAX_VNNI_KERNEL_ROWS
+            self.chunk_long_passes = amx
         else:  # [ceil(out/width), in, width]: 8 columns for int8, 32 for float32 on AVX-512 builds
             self.packed = pack_panels(rows, PANEL_WIDTH if self.is_int8 else f32_panel_width())
             self.max_kernel_rows = MAX_INT8_KERNEL_ROWS if self.is_int8 else MAX_KERNEL_ROWS
