@@ -456,8 +456,12 @@ def test_gamma_policy_tapers_with_the_batch_and_refuses_bad_bounds():
     assert gammas[:4] == [6] * 4 and gammas[15:] == [0] * 4
     assert all(later <= earlier for earlier, later in zip(gammas, gammas[1:]))  # never more drafts for a bigger batch
     assert all(1 <= gamma <= 6 for gamma in gammas[4:15]) and gammas[9] == 3  # batch 10: half-way, half of gamma
-    default = BatchGammaPolicy()  # measured here: speculation pays for a lone request only
-    assert [default.gamma_for(batch, 4) for batch in (1, 2, 8)] == [4, 0, 0]
+    default = BatchGammaPolicy()  # measured (README): full gamma to 4 requests, none from 16
+    assert [default.gamma_for(batch, 6) for batch in (1, 4, 10, 16)] == [6, 6, 3, 0]
+    from verispec.cli import _build_parser
+
+    serve = _build_parser().parse_args(["serve"])  # the CLI's defaults are the policy's
+    assert (serve.gamma_full_batch, serve.gamma_off_batch) == (default.full_until, default.off_from)
     with pytest.raises(ValueError, match="off_from"):
         BatchGammaPolicy(full_until=4, off_from=4)
     with pytest.raises(ValueError, match="full_until"):

@@ -275,6 +275,7 @@ def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-mod
 def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
     from verispec.argtypes import positive_float, positive_int
     from verispec.engine.monitor import MonitorConfig
+    from verispec.serving.gamma_policy import BatchGammaPolicy
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server batching concurrent requests through speculative decoding")
     _add_loading_options(serve)
@@ -284,8 +285,8 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--model-id", default=None, help="the model name clients pass (default: --target as given)")
     serve.add_argument("--max-batch", type=int, default=32, help="requests decoded together; more wait (default 32)")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
-    serve.add_argument("--gamma-full-batch", type=int, default=1, help="batches up to this size draft the full --gamma (default 1: measured on 2 CPU cores, speculation pays for a lone request only)")
-    serve.add_argument("--gamma-off-batch", type=int, default=2, help="batches of this size or more decode plainly, gamma 0 (default 2); gamma tapers in between")
+    serve.add_argument("--gamma-full-batch", type=int, default=BatchGammaPolicy.full_until, help=f"batches up to this size draft the full --gamma (default {BatchGammaPolicy.full_until}: requests speculating together draft together; measured on 2 CPU cores, README)")
+    serve.add_argument("--gamma-off-batch", type=int, default=BatchGammaPolicy.off_from, help=f"batches of this size or more decode plainly, gamma 0 (default {BatchGammaPolicy.off_from}); gamma tapers in between")
     serve.add_argument("--batching", choices=["lean", "masked"], default="lean", help="lean (default): where the target runs the lean forward (panel kernels), each request keeps its own KV cache and a pass is one fused kernel call over every request's rows, a lone request exactly as `verispec generate` runs it; masked: transformers' forward over one shared, padded KV cache with an attention mask (what other targets always use)")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
     serve.add_argument("--speedup-floor", type=positive_float, default=MonitorConfig.speedup_floor, metavar="F", help=f"log one structured warning (event speculation_below_floor; metric verispec_speculation_below_floor_total) when a request, an API key or the whole server realises less than F x plain decoding's speed over its last --monitor-window rounds, and again only after it recovered (default {MonitorConfig.speedup_floor})")

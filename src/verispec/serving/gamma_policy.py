@@ -9,7 +9,10 @@ The defaults come from `verispec loadtest` on a 2-core CPU with the built-in pai
 64 new tokens, HumanEval prompts): the draft model sped a lone request up 1.38x, broke even at 2
 concurrent requests (4.87 vs 5.02 tokens/s) and lost at 4 (0.73x) and 8 (0.62x) — each request
 drafts alone, so drafting grows with the batch while plain rows share one pass. Hence speculation
-only for a lone request; machines with spare compute (or batched drafting) should raise both.
+only for a lone request, until requests that speculate together drafted together (one draft pass per
+step for all of them). With that, full gamma up to 4 requests, tapering to none from 16, served 4 / 8
+clients at 1.05x / 1.00x plain batching on the 2-core AMD EPYC (2026-12-02) and 1.45x / 1.09x on the
+2-core Xeon (2026-12-03, mean of four paired rounds, 1.24-1.71x / 0.91-1.31x): the defaults since.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ class BatchGammaPolicy:
     In between gamma falls linearly from the full value towards 1.
     """
 
-    full_until: int = 1
-    off_from: int = 2
+    full_until: int = 4
+    off_from: int = 16
 
     def __post_init__(self) -> None:
         if self.full_until < 1:
