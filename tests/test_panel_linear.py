@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from marks import needs_amx, needs_amx_int8, needs_bf16
-from tiny_models import noisy_copy, tiny_target
+from tiny_models import noisy_copy, tiny_config, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
 from verispec.models.packed_linear import pack_linears
@@ -115,6 +115,14 @@ def row_quantized(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x * (1 / scale)).double() * scale.double()
 
 
+def vnni_reference(quantized: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What the VNNI (or AMX) int8 kernel computes for x # [rows, in], in float64: 8-bit rows of x
+    times the layer's exact int8 weights and per-row scales, plus its bias."""
+    weight = quantized.weight()
+    dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
+    return row_quantized(x) @ dequantized.T + quantized.bias().double()
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, MAX_VNNI_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS + 1])
 def test_int8_uses_the_same_int8_rows_and_scales(rows):
@@ -131,7 +139,7 @@ def test_int8_uses_the_same_int8_rows_and_scales(rows):
         torch.testing.assert_close(out, quantized(x), rtol=0, atol=0)
     elif int8_uses_vnni():
         # 8-bit activations, one scale per row, times the exact int8 weights: exact integer sums.
-        torch.testing.assert_close(out.double(), row_quantized(x) @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), vnni_reference(quantized, x), atol=1e-5, rtol=1e-5)
     else:
         # Float activations times the exact int8 weights: far closer than fbgemm's quantised activations.
         torch.testing.assert_close(out.double(), x.double() @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
@@ -147,8 +155,6 @@ def test_int8_amx_tiles_give_the_dot_products_sums_bit_for_bit(outputs):
     quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(192, outputs)))[0]
     layer = PanelLinear(quantized)
     assert layer.max_kernel_rows == MAX_KERNEL_ROWS and layer.chunk_long_passes
-    weight = quantized.weight()
-    dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
     for rows in (1, 5, 6, 16, 17, 33, 128, 150):
         x = torch.randn(rows, 192)
         try:
@@ -159,7 +165,7 @@ def test_int8_amx_tiles_give_the_dot_products_sums_bit_for_bit(outputs):
                 dot_products = layer(x)
         finally:
             panel_linear.use_amx(True)
-        torch.testing.assert_close(tiles.double(), row_quantized(x) @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tiles.double(), vnni_reference(quantized, x), atol=1e-5, rtol=1e-5)
         assert torch.equal(tiles, dot_products) and torch.equal(tiles, one_by_one), rows
 
 
@@ -170,24 +176,18 @@ def test_int8_widths_off_the_tiles_run_the_dot_products():
     torch.manual_seed(0)
     quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]
     layer = PanelLinear(quantized)
-    weight = quantized.weight()
-    dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
     x = torch.randn(140, 70)
     with torch.inference_mode():
         out = layer(x)
-    torch.testing.assert_close(out.double(), row_quantized(x) @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), vnni_reference(quantized, x), atol=1e-5, rtol=1e-5)
 
 
 def tile_filling_model(dtype: torch.dtype):
     """A tiny Qwen2 model whose widths fill AMX tiles (hidden 64, intermediate 128), int8 or bfloat16."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    model = Qwen2ForCausalLM(tiny_config(hidden_size=64, intermediate_size=128)).eval().requires_grad_(False)
     return quantize_int8(model) if dtype == torch.int8 else use_panel_kernels(model.to(dtype))
 
 

@@ -11,11 +11,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 
-def tiny_config(vocab_size: int = 96, layers: int = 2) -> Qwen2Config:
+def tiny_config(vocab_size: int = 96, layers: int = 2, hidden_size: int = 32, intermediate_size: int = 64) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -256,6 +256,13 @@ static void amx_make_configs(TileConfig (&configs)[17], std::initializer_list<in
     for (int t : weights) config.rows[t] = 16, config.colsb[t] = (uint16_t)weight_bytes;
   }
 }
+
+// Loads the configuration whose tiles hold the largest chunk of a pass over M rows (chunks of at most
+// AMX_CHUNK_ROWS, balanced as for_panel_chunks makes them). Every thread of a region loads its own.
+static inline void amx_configure(const TileConfig (&configs)[17], int64_t M) {
+  const int64_t chunks = (M + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
+  _tile_loadconfig(&configs[(M + chunks - 1) / chunks]);
+}
 #else
 #define AMX_TILES 0
 #define AMX_PAD_ROWS 0
@@ -271,9 +278,6 @@ static void amx_make_configs(TileConfig (&configs)[17], std::initializer_list<in
 // kernel above runs.
 // Tiles 0, 1: sums (column halves) and 4: rows of x; 6, 7: weight halves; all 64 bytes wide.
 static TileConfig amx_bf16_configs[17] __attribute__((aligned(64)));
-
-// Tiles for chunks of up to `rows` rows (1..16).
-static inline void amx_bf16_configure(int64_t rows) { _tile_loadconfig(&amx_bf16_configs[rows]); }
 
 // out [R][32] (row stride 128 bytes) for x's rows from 0 (R as configured, readable) over k pairs k0..k1
 // (multiples of 16), continuing out's sums after the first k block as bf16_rows does. Passes over
@@ -559,9 +563,8 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
     }
     const auto with_bias = [&](float entry, int64_t, int64_t n) { return w.bias ? entry + w.bias[n] : entry; };
 #if AMX_BF16
-    const int64_t chunks = (M + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
-    if (chunks > 0 && amx_bf16_runs(K2)) {  // every thread of the region configures its own tiles: rows of the largest chunk
-      amx_bf16_configure((M + chunks - 1) / chunks);
+    if (M > 0 && amx_bf16_runs(K2)) {
+      amx_configure(amx_bf16_configs, M);
       for_panel_chunks<F32_PANEL, AMX_CHUNK_ROWS, float, ACCUMULATE, F32_K_BLOCK>(
           M, N, K2, y, ldy,
           [&](int, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {  // a chunk's rows: the configured tile rows
@@ -593,9 +596,8 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
       return w.bias ? value + w.bias[n] : value;
     };
 #if AMX_INT8
-    const int64_t chunks = (M + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
-    if (chunks > 0 && amx_int8_runs(M, K4)) {  // every thread of the region configures its own tiles: rows of the largest chunk
-      _tile_loadconfig(&amx_int8_configs[(M + chunks - 1) / chunks]);
+    if (amx_int8_runs(M, K4)) {
+      amx_configure(amx_int8_configs, M);
       const int64_t num_panels = (N + PANEL - 1) / PANEL;
       for_panel_chunks<AMX_INT8_PANELS * PANEL, AMX_CHUNK_ROWS, int32_t, ACCUMULATE>(
           M, N, K, y, ldy,
