@@ -62,6 +62,7 @@ def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | N
     default = f"default {path_confidence}" if path_confidence is not None else "default: off"
     sub.add_argument("--draft-path-confidence", type=float, default=path_confidence, metavar="P", help=f"stop drafting a round once the product of the draft model's probabilities of this round's tokens is below P (its own estimate that the whole draft is accepted); 0 = off; {default}")
     sub.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft model: draft over the first N token ids plus the special ones only (byte-level BPE numbers tokens by merge order, roughly by frequency), so a draft step multiplies by N LM-head rows instead of all; 0 = the full vocabulary (default). Exact either way")
+    sub.add_argument("--draft-greedy-head", choices=["screened", "full"], default="screened", help="screened (default): greedy draft steps of the int8 draft model read its LM head through a 4-bit copy (half the head's bytes, ~3 ms of a ~30 ms draft step here), the panels of the 64 largest logits recomputed in int8: the int8 head's choice at every position measured; full: the int8 head. The output is the target's either way; sampling drafts always use the full head")
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE or parallel head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
     sub.add_argument("--draft-kernels", choices=["panel", "torch"], default="panel", help="panel (default): the lean draft forward through our AVX2 few-row kernels, a whole draft step in one call into them, and the draft's output layer too (same int8 weights; activations in float32, or in 8 bits where the CPU has VNNI dot products; falls back where they cannot run); torch: PyTorch's (fbgemm int8) kernels op by op. The output is the target's either way")
     sub.add_argument("--draft-forward", choices=["lean", "transformers"], default="lean", help="lean (default): the draft model runs through our own forward over its modules (stacked q/k/v and gate/up products, in-place KV cache; Llama/Qwen2/Mistral, else falls back); transformers: the model's own forward. The output is the target's either way")
@@ -74,7 +75,7 @@ def draft_model_settings(args: argparse.Namespace):  # noqa: ANN201 - DraftModel
     return DraftModelSettings(
         confidence_threshold=args.draft_confidence, path_confidence=args.draft_path_confidence or None, draft_vocab=args.draft_vocab or None,
         lean=None if getattr(args, "draft_forward", "lean") == "lean" else False, panel_kernels=draft_panel_kernels(args),
-        alternatives=TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0,
+        alternatives=TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0, greedy_head=getattr(args, "draft_greedy_head", "screened"),
     )
 
 
@@ -633,6 +634,12 @@ def _costs(args: argparse.Namespace) -> int:
             rows["draft int8, lean, torch kernels"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True)
             if panel_kernels_unavailable_reason() is None:
                 rows["draft int8, lean, panel (default)"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True, panel_kernels=True)
+                from verispec.drafters import DraftModel
+                from verispec.models.int4_screen import Int4ScreenedHead
+
+                screened = DraftModel(draft).greedy_head  # what greedy draft steps multiply by (1-2 rows; more: the int8 head)
+                if isinstance(screened, Int4ScreenedHead):
+                    rows["draft int8, lean, panel, greedy 4-bit head"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=screened, lean=True, panel_kernels=True)
         if args.draft_vocab:
             from verispec.drafters import DraftModel
 

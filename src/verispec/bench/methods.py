@@ -94,6 +94,8 @@ _OPTIONS = {
                       lambda v: v in (0, 1), lambda base: METHODS[base].family == "ours", "our methods"),
     "tree": _Option("greedy verification passes of up to N rows, the spare ones filled with the draft model's runner-up tokens (a one-level draft tree); 0 = chains only (the run's --tree-rows otherwise)",
                     int, lambda v: v >= 0, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "dhead": _Option("draft model: 1 = greedy draft steps read the LM head through its 4-bit screen, 0 = the int8 head (the run's --draft-greedy-head otherwise)", int,
+                     lambda v: v in (0, 1), lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
 }
 METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
@@ -110,6 +112,7 @@ class MethodVariant:
     screen: int | None = None
     tune: int | None = None
     tree: int | None = None
+    dhead: int | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -296,6 +299,8 @@ def build_method(
     settings = replace(settings, **{key: value or None for key, value in overrides.items() if value is not None})  # 0 = off
     tree_rows = variant.tree if variant.tree is not None else tree_rows if tree_rows is not None else DEFAULT_TREE_ROWS
     settings = replace(settings, alternatives=TREE_ALTERNATIVES if tree_rows else 0)  # runner-ups only where trees verify them
+    if variant.dhead is not None:
+        settings = replace(settings, greedy_head="screened" if variant.dhead else "full")
     if variant.screen is not None:
         screen_lm_head = bool(variant.screen)
 
