@@ -29,7 +29,8 @@ from verispec.models.panel_linear import PanelLinear, panel_library
 DEFAULT_CANDIDATES = 64
 # Rows the screen takes per call; more (greedy requests drafting together in a server batch) go
 # through the int8 head. The 4-bit kernel's unpacking and the per-row selection grow with the rows:
-# the 0.5B draft's head, 2 threads, 1 / 2 / 3 / 4 rows: 0.55-0.67x / 0.86x / 1.08x / 1.3x the int8 head.
+# the 0.5B draft's head, 2 threads, 1 / 2 / 3 / 4 / 6 rows took 0.56-0.65x / 0.67-0.69x / 0.85-0.91x /
+# 0.90-1.00x / 1.4x the int8 head's time (one-off script, medians of 31).
 MAX_SCREEN_ROWS = 2
 _BUILD_ROWS = 8192
 
