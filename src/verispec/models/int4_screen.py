@@ -97,8 +97,8 @@ class Int4ScreenedHead(nn.Module):
             head.scale.data_ptr(), head.colsum.data_ptr(), None if head.kernel_bias is None else head.kernel_bias.data_ptr(),
             min(self.candidates, self.out_features), out.data_ptr(), torch.get_num_threads(),
         )
-        if not ran:  # built without 8-bit dot products (colsum is None then, so not reached): the int8 head
-            return head(x)
+        if not ran:  # the library lacks 8-bit dot products, which a VNNI head (checked at construction) implies
+            raise RuntimeError("the panel kernels were built without 8-bit dot products; the 4-bit screen cannot run")
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
