@@ -12,8 +12,8 @@ from verispec.drafters.draft_vocab import full_vocab_probs, leading_token_ids, r
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_product, lean_unsupported_reason, next_logits_many
 from verispec.modelref import unwrap_model
-from verispec.models.int4_screen import Int4ScreenedHead
-from verispec.models.panel_linear import PanelLinear, panel_or_same
+from verispec.models.int4_screen import Int4ScreenedHead, screenable
+from verispec.models.panel_linear import panel_or_same
 from verispec.models.quantize import is_quantized
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
@@ -106,8 +106,7 @@ class DraftModel:
         elif panel_kernels:
             self.lm_head = panel_or_same(self.lm_head)
         # What greedy sessions multiply by: the 4-bit screen where the head is int8 on the VNNI kernels.
-        screenable = isinstance(self.lm_head, PanelLinear) and self.lm_head.is_int8 and self.lm_head.colsum is not None
-        self.greedy_head = Int4ScreenedHead(self.lm_head) if greedy_head == "screened" and screenable else self.lm_head
+        self.greedy_head = Int4ScreenedHead(self.lm_head) if greedy_head == "screened" and screenable(self.lm_head) else self.lm_head
 
     def _special_ids(self) -> list[int]:
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)

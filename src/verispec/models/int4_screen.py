@@ -60,13 +60,19 @@ def int4_rows(rows: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
     return quantised, scales.float() * peak / 7.0
 
 
+def screenable(head: nn.Module) -> bool:
+    """Whether ``head`` is what :class:`Int4ScreenedHead` reads: an int8 :class:`PanelLinear` in the
+    VNNI layout (the kernels built here have 8-bit dot products)."""
+    return isinstance(head, PanelLinear) and head.is_int8 and head.colsum is not None
+
+
 class Int4ScreenedHead(nn.Module):
     """The logits of an int8 VNNI :class:`PanelLinear` head, 4-bit everywhere except the panels of
     each row's ``candidates`` largest, which hold the int8 head's exact values. For greedy drafting."""
 
     def __init__(self, head: PanelLinear, candidates: int = DEFAULT_CANDIDATES) -> None:
         super().__init__()
-        if not isinstance(head, PanelLinear) or not head.is_int8 or head.colsum is None:
+        if not screenable(head):
             raise ValueError("Int4ScreenedHead needs an int8 PanelLinear head in the VNNI layout (8-bit dot products)")
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")

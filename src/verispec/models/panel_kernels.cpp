@@ -334,6 +334,14 @@ struct Quantized {
 
 static inline int64_t round_up4(int64_t k) { return (k + 3) & ~(int64_t)3; }
 
+// Output (m, n) of an int8 product in the VNNI layout from its integer sum over the offset rows of x:
+// the +128 offset undone with the column sum, both scales applied, the bias added. One definition for
+// the product and for the 4-bit screen's recomputed panels, which must be bit for bit its values.
+static inline float vnni_output(const Weight& w, const Quantized& q, int32_t dot, int64_t m, int64_t n) {
+  const float value = (float)(dot - 128 * w.colsum[n]) * q.xscale[m] * w.scale[n];
+  return w.bias ? value + w.bias[n] : value;
+}
+
 #if VNNI
 static void quantize_rows(const float* x, int64_t M, int64_t K, Quantized q) {
   const int64_t K4 = round_up4(K);
@@ -594,10 +602,7 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
 #pragma omp single
       quantize_rows(x, M, K, q);
     }
-    const auto scaled = [&](int32_t dot, int64_t m, int64_t n) {
-      const float value = (float)(dot - 128 * w.colsum[n]) * q.xscale[m] * w.scale[n];
-      return w.bias ? value + w.bias[n] : value;
-    };
+    const auto scaled = [&](int32_t dot, int64_t m, int64_t n) { return vnni_output(w, q, dot, m, n); };
 #if AMX_INT8
     if (amx_int8_runs(M, K4)) {
       amx_configure(amx_int8_configs, M);
@@ -1077,11 +1082,7 @@ static void screened_head_i8(const float* x, int64_t M, const uint8_t* packed4, 
         for (int64_t j = 0; j < cols; ++j) holds |= row[n0 + j] >= thresholds[m];
         if (!holds) continue;
         vnni_chunk_rows(1, q.xq + m * K4, K4, (const int8_t*)w.packed + p * K4 * PANEL, sums);
-        for (int64_t j = 0; j < cols; ++j) {
-          const int64_t n = n0 + j;
-          const float value = (float)(sums[j] - 128 * w.colsum[n]) * q.xscale[m] * w.scale[n];
-          row[n] = w.bias ? value + w.bias[n] : value;
-        }
+        for (int64_t j = 0; j < cols; ++j) row[n0 + j] = vnni_output(w, q, sums[j], m, n0 + j);
       }
     }
   }
