@@ -252,7 +252,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
         (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
         (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
-        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, dhead, got 'speed=11'"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, dhead, prefix, got 'speed=11'"),
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-path-confidence", "1"], "--draft-path-confidence must be in"),
@@ -367,6 +367,9 @@ class RecordingMethod:
         self.log.append((self.name, "".join(map(chr, input_ids)), max_new_tokens))
         return RunOutput(token_ids=[ord(c) for c in self.answer], seconds=0.01, target_calls=len(self.answer), draft_calls=None)
 
+    def forget(self):
+        self.log.append((self.name, "forget", 0))
+
 
 def test_runner_interleaves_methods_prompt_by_prompt():
     log = []
@@ -374,7 +377,8 @@ def test_runner_interleaves_methods_prompt_by_prompt():
     prompts = [Prompt("p1", "x", "one"), Prompt("p2", "x", "two")]
     run = run_bench(prompts, methods, BenchSettings(max_new_tokens=16, sampling=SamplingParams()), CharTokenizer())
     assert run.complete
-    warmup = [("a", "<user>one<assistant>", WARMUP_TOKENS), ("b", "<user>one<assistant>", WARMUP_TOKENS), ("c", "<user>one<assistant>", WARMUP_TOKENS)]
+    # Each method's warm-up, then it forgets it (stored prefixes): the timed run of that prompt starts cold.
+    warmup = [entry for m in ["a", "b", "c"] for entry in ((m, "<user>one<assistant>", WARMUP_TOKENS), (m, "forget", 0))]
     timed = [(m, f"<user>{p}<assistant>", 16) for p in ["one", "two"] for m in ["a", "b", "c"]]
     assert log == warmup + timed
     assert [(r.prompt_id, r.method) for r in run.rows] == [(p, m) for p in ["p1", "p2"] for m in ["a", "b", "c"]]
@@ -514,7 +518,7 @@ def test_time_split_sums_the_engine_timers_and_prices_a_pass():
     rows = [
         replace(row("p1", "spec", 10, 4.0, calls=4), prefill_seconds=1.0, draft_seconds=0.5, verify_seconds=2.0, draft_calls=5),
         replace(row("p2", "spec", 10, 2.0, calls=2), prefill_seconds=0.5, draft_seconds=0.5, verify_seconds=0.9, draft_calls=5,
-                branches_verified=7, branches_accepted=2),
+                branches_verified=7, branches_accepted=2, reused_prompt_tokens=4),
         row("p1", "hf-plain", 10, 3.0),  # Hugging Face: no timers
     ]  # fmt: skip
     summaries = summarize(rows, ["spec", "hf-plain"], greedy=False)
@@ -522,8 +526,9 @@ def test_time_split_sums_the_engine_timers_and_prices_a_pass():
     assert (split.prefill, split.draft, split.verify, split.other) == (pytest.approx(1.5), 1.0, pytest.approx(2.9), pytest.approx(0.6))
     assert (split.target_calls, split.draft_calls, summaries[1].time_split) == (6, 10, None)
     header, table = time_split_table(summaries)
-    assert table == [["spec", "25% (1.5s)", "17% (1.0s)", "48% (2.9s)", "10% (0.6s)", "483", "100.0", "2 / 7"]]  # HF left out
-    assert header[-3:] == ["ms / verify pass", "ms / draft pass", "branches kept"]
+    prompt_tokens = sum(r.prompt_tokens for r in rows[:2])
+    assert table == [["spec", "25% (1.5s)", "17% (1.0s)", "48% (2.9s)", "10% (0.6s)", "483", "100.0", "2 / 7", f"{4 / prompt_tokens:.0%} (4)"]]  # HF left out
+    assert header[-4:] == ["ms / verify pass", "ms / draft pass", "branches kept", "prompt reused"]
 
 
 def test_raw_prompts_skip_the_chat_template(tiny_gguf, prompts_file, tmp_path, capsys):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import queue
-
 import pytest
 import torch
 from marks import needs_bf16
+from scheduling import serve_all
 from tiny_models import noisy_copy, tiny_target
 
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
@@ -14,7 +13,7 @@ from verispec.drafters.base import DraftContext, propose_batch
 from verispec.drafters.combined import lookup_then_model
 from verispec.engine.lean_lm import _groups, target_lm
 from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
-from verispec.serving import BatchedTarget, BatchGammaPolicy, GenerationRequest, LeanBatchedTarget, Scheduler, SchedulerConfig
+from verispec.serving import BatchedTarget, BatchGammaPolicy, LeanBatchedTarget, Scheduler, SchedulerConfig
 from verispec.serving.scheduler import batched_target
 
 pytestmark = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
@@ -146,20 +145,11 @@ def test_the_scheduler_serves_a_panel_target_through_lean_batching_and_matches_t
     config = SchedulerConfig(gamma=3, gamma_policy=BatchGammaPolicy(full_until=8, off_from=40))
     scheduler = Scheduler(panel_target, drafter, None, config)
     assert isinstance(scheduler.target, LeanBatchedTarget)
-    sinks = [queue.Queue() for _ in prompts]
     joint = []  # the draft's passes over several requests at once (the requests draft together)
     forward_many = drafter.lean_decoder.forward_many
-    drafter.lean_decoder.forward_many = lambda ids, caches: joint.append(len(ids)) or forward_many(ids, caches)
+    drafter.lean_decoder.forward_many = lambda ids, caches, **options: joint.append(len(ids)) or forward_many(ids, caches, **options)
     try:
-        for prompt, sink in zip(prompts, sinks):
-            scheduler.submit(GenerationRequest(prompt, 20, SamplingParams(), [], sink.put))
-        got = []
-        for sink in sinks:
-            tokens, step = [], None
-            while step is None or step.finish_reason is None:
-                step = sink.get(timeout=60)
-                tokens += step.token_ids
-            got.append(tokens)
+        got = [tokens for tokens, _ in serve_all(scheduler, prompts, 20)]
     finally:
         scheduler.stop()
         del drafter.lean_decoder.forward_many
@@ -184,7 +174,7 @@ def test_draft_sessions_drafting_together_propose_what_each_proposes_alone(sampl
     sessions, contexts = _sessions(together_drafter, prompts, sampling)
     passes = []
     forward_many = together_drafter.lean_decoder.forward_many
-    together_drafter.lean_decoder.forward_many = lambda ids, caches: passes.append(len(ids)) or forward_many(ids, caches)
+    together_drafter.lean_decoder.forward_many = lambda ids, caches, **options: passes.append(len(ids)) or forward_many(ids, caches, **options)
     together = propose_batch(sessions, contexts, budgets, [torch.Generator().manual_seed(i) for i in range(4)])
     for one, joint in zip(alone, together):
         assert one.tokens == joint.tokens and one.num_forward_passes == joint.num_forward_passes
@@ -211,7 +201,7 @@ def test_lookup_first_then_the_draft_models_together():
     passes = []
     decoder = drafter.fallback.lean_decoder
     forward_many = decoder.forward_many
-    decoder.forward_many = lambda ids, caches: passes.append(len(ids)) or forward_many(ids, caches)
+    decoder.forward_many = lambda ids, caches, **options: passes.append(len(ids)) or forward_many(ids, caches, **options)
     together = propose_batch(sessions, contexts, [3, 3, 3], [torch.Generator()] * 3)
     alone_sessions, _ = _sessions(lookup_then_model(DraftModel(model)), prompts, SamplingParams())
     alone = [s.propose(c, 3, torch.Generator()) for s, c in zip(alone_sessions, contexts)]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not imported: --help loads no torch; a test checks)
+DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a doctest."
 
 
@@ -76,6 +77,7 @@ def draft_model_settings(args: argparse.Namespace):  # noqa: ANN201 - DraftModel
         confidence_threshold=args.draft_confidence, path_confidence=args.draft_path_confidence or None, draft_vocab=args.draft_vocab or None,
         lean=None if getattr(args, "draft_forward", "lean") == "lean" else False, panel_kernels=draft_panel_kernels(args),
         alternatives=TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0, greedy_head=getattr(args, "draft_greedy_head", "screened"),
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0),
     )
 
 
@@ -106,6 +108,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft-path-confidence must be in [0, 1), got {args.draft_path_confidence}")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
+    if getattr(args, "prefix_cache_mb", 0) < 0:
+        raise ValueError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     if hasattr(args, "local_window"):
         from verispec.far_memory_cli import far_memory_from_args
 
@@ -288,6 +292,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
     serve.add_argument("--gamma-full-batch", type=int, default=BatchGammaPolicy.full_until, help=f"batches up to this size draft the full --gamma (default {BatchGammaPolicy.full_until}: requests speculating together draft together; measured on 2 CPU cores, README)")
     serve.add_argument("--gamma-off-batch", type=int, default=BatchGammaPolicy.off_from, help=f"batches of this size or more decode plainly, gamma 0 (default {BatchGammaPolicy.off_from}); gamma tapers in between")
+    serve.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_MB, metavar="MB", help=f"keep up to MB of the keys/values (and features) of earlier requests, for the target and for the draft model each, so that a request starts from the longest prefix it shares with them (the chat template's system prompt, a conversation's earlier turns and answers) and prefills only the rest; least recently used dropped first. The tokens are the same as without it (every pass then runs each row as alone through the fused stack; a cold prompt of 1K+ tokens may prefill slower). Needs lean batching; 0 = off (default {DEFAULT_PREFIX_CACHE_MB})")
     serve.add_argument("--batching", choices=["lean", "masked"], default="lean", help="lean (default): where the target runs the lean forward (panel kernels), each request keeps its own KV cache and a pass is one fused kernel call over every request's rows, a lone request exactly as `verispec generate` runs it; masked: transformers' forward over one shared, padded KV cache with an attention mask (what other targets always use)")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
     serve.add_argument("--speedup-floor", type=positive_float, default=MonitorConfig.speedup_floor, metavar="F", help=f"log one structured warning (event speculation_below_floor; metric verispec_speculation_below_floor_total) when a request, an API key or the whole server realises less than F x plain decoding's speed over its last --monitor-window rounds, and again only after it recovered (default {MonitorConfig.speedup_floor})")
@@ -299,6 +304,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     loadtest.add_argument("--concurrency", default="1,4,8,16,32", help="comma list of concurrent clients (default 1,4,8,16,32)")
     loadtest.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
     loadtest.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn (default 2)")
+    loadtest.add_argument("--conversation", action="store_true", help="each client's requests are the turns of one chat: a HumanEval prompt, then the whole conversation so far plus a follow-up request; also reports the median time to first token of turns 2+ (what the server's --prefix-cache-mb saves)")
     loadtest.add_argument("--api-key", default=None)
     loadtest.set_defaults(handler=_loadtest)
 
@@ -352,6 +358,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     add_far_memory_options(bench, with_mode=False)  # eagle-local / eagle-fold set the mode
     bench.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory (default bench-results/<timestamp>/)")
     bench.add_argument("--quick", action="store_true", help="a small preset for iteration: 2 HumanEval prompts + 1 per Spec-Bench category, 32 new tokens, methods plain,draft-model,ngram (about 10-15 minutes for the built-in models on a 2-core CPU); explicit options override it")
+    bench.add_argument("--prefix-cache-mb", type=int, default=0, metavar="MB", help="each of our methods keeps its own prefix caches of MB (target and draft model): a prompt starts from the longest prefix of that method's earlier prompts and answers (here the chat template's system prompt; with --multi-turn the earlier turns); the warm-up's prompt is forgotten before timing. 0 = off (default): every prompt prefilled whole")
     bench.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short untimed run of each method before timing")
     bench.set_defaults(handler=_bench)
 
@@ -486,7 +493,7 @@ def serve_config(args: argparse.Namespace):  # noqa: ANN201 - a ServeConfig (ver
     monitor = MonitorConfig(window=args.monitor_window, min_rounds=min(MonitorConfig.min_rounds, args.monitor_window), speedup_floor=args.speedup_floor)
     scheduler = SchedulerConfig(
         gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy, adaptive_gamma=args.gamma_control == "adaptive", monitor=monitor,
-        screen_lm_head=args.greedy_lm_head == "screened", lean_batching=args.batching == "lean",
+        screen_lm_head=args.greedy_lm_head == "screened", lean_batching=args.batching == "lean", prefix_cache_mb=args.prefix_cache_mb,
     )
     return ServeConfig(model_id=args.model_id or args.target, api_key=args.api_key, default_max_tokens=args.default_max_tokens, scheduler=scheduler)
 
@@ -514,7 +521,7 @@ def _loadtest(args: argparse.Namespace) -> int:
         model = await served_model(args.url, args.api_key)
         results = []
         for level in levels:
-            result = await run_level(args.url, model, prompts, level, args.max_tokens, args.requests_per_client, args.api_key)
+            result = await run_level(args.url, model, prompts, level, args.max_tokens, args.requests_per_client, args.api_key, args.conversation)
             print(f"concurrency {level}: {result.tokens_per_s:.2f} tok/s", file=sys.stderr)
             results.append(result)
         return results
@@ -737,7 +744,7 @@ def _bench(args: argparse.Namespace) -> int:
     methods = {
         name: build_method(
             name, target, draft, args.gamma, eagle_head=eagle_head, head_quantize=head_quantize, far_memory=far_memory, parallel_head=parallel_head,
-            draft_settings=draft_settings, screen_lm_head=screen, tree_rows=args.tree_rows,
+            draft_settings=draft_settings, screen_lm_head=screen, tree_rows=args.tree_rows, prefix_cache_mb=args.prefix_cache_mb,
         )
         for name in names
     }

@@ -96,6 +96,8 @@ _OPTIONS = {
                     int, lambda v: v >= 0, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "dhead": _Option("draft model: 1 = greedy draft steps read the LM head through its 4-bit screen, 0 = the int8 head (the run's --draft-greedy-head otherwise)", int,
                      lambda v: v in (0, 1), lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "prefix": _Option("MB of this method's own prefix caches (target and draft model): prompts start from its earlier prompts' and answers' longest shared prefix; 0 = none (the run's --prefix-cache-mb otherwise)",
+                      int, lambda v: v >= 0, lambda base: METHODS[base].family == "ours", "our methods"),
 }
 METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
@@ -113,6 +115,7 @@ class MethodVariant:
     tune: int | None = None
     tree: int | None = None
     dhead: int | None = None
+    prefix: int | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -168,6 +171,7 @@ class RunOutput:
     drafted_per_round: list[int] | None = None
     accepted_per_round: list[int] | None = None
     prefill_seconds: float | None = None  # ours: the target's prompt prefill within ``seconds`` (None for Hugging Face)
+    reused_prompt_tokens: int = 0  # ours: prompt positions restored from the method's prefix cache (not prefilled)
     draft_seconds: float | None = None  # ours: drafting within ``seconds``
     verify_seconds: float | None = None  # ours: verification passes (and acceptance) within ``seconds``
     branches_verified: int = 0  # ours: runner-up tokens verified beside the chain (one-level draft trees)
@@ -177,15 +181,24 @@ class RunOutput:
 class Method(Protocol):
     name: str
 
+    def forget(self) -> None:
+        """Drop what earlier runs left that would make the next one cheaper (stored prefixes)."""
+
     def run(self, input_ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> RunOutput: ...
 
 
 class OursMethod:
     """A :class:`SpeculativeDecoder`, built once so adaptive cost estimates carry over between prompts."""
 
-    def __init__(self, name: str, decoder: Any) -> None:
+    def __init__(self, name: str, decoder: Any, prefix_caches: list[Any] | None = None) -> None:
+        """``prefix_caches``: the method's own PrefixCaches (target's, draft's), cleared by :meth:`forget`."""
         self.name = name
         self.decoder = decoder
+        self.prefix_caches = prefix_caches or []
+
+    def forget(self) -> None:
+        for cache in self.prefix_caches:
+            cache.clear()
 
     def run(self, input_ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> RunOutput:
         tokens: list[int] = []
@@ -205,6 +218,7 @@ class OursMethod:
             drafted_per_round=list(stats.drafted_per_round),
             accepted_per_round=list(stats.accepted_per_round),
             prefill_seconds=stats.prefill_s,
+            reused_prompt_tokens=stats.reused_prompt_tokens,
             draft_seconds=stats.draft_s,
             verify_seconds=stats.verify_s,
             branches_verified=stats.branches_verified,
@@ -222,6 +236,9 @@ class HFMethod:
         self.generate_kwargs = generate_kwargs
         self.eos = eos
         self.pad = pad
+
+    def forget(self) -> None:
+        """Nothing to forget: transformers' generate keeps no state between calls."""
 
     def run(self, input_ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> RunOutput:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.target.device)  # [1, prompt]
@@ -264,6 +281,7 @@ def build_method(
     draft_settings: Any | None = None,
     screen_lm_head: bool = True,
     tree_rows: int | None = None,
+    prefix_cache_mb: int = 0,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
@@ -280,6 +298,9 @@ def build_method(
     draft-model methods (default: its defaults).
     ``screen_lm_head``: ``SpeculativeDecoder(screen_lm_head=...)`` for our methods (greedy passes).
     ``tree_rows``: ``SpeculativeDecoder(tree_rows=...)`` for our drafting methods (None: its default).
+    ``prefix_cache_mb``: our methods each keep their own prefix caches of this size (the target's
+    where it runs the fused lean stack, the draft model's where it does): a prompt starts from the
+    longest prefix of the method's own earlier prompts and answers; 0: none.
     """
     variant = parse_variant(name)
     label = name  # the full name, settings included, labels the rows; the base name picks the method
@@ -304,8 +325,15 @@ def build_method(
     if variant.screen is not None:
         screen_lm_head = bool(variant.screen)
 
+    from verispec.engine.lean_lm import prefix_reuse_unsupported_reason
+    from verispec.engine.prefix_cache import PrefixCache
+
+    prefix_cache_mb = variant.prefix if variant.prefix is not None else prefix_cache_mb
+    reuse = prefix_cache_mb > 0 and prefix_reuse_unsupported_reason(target.model) is None
+    target_prefixes = PrefixCache(prefix_cache_mb << 20) if reuse else None
+    settings = replace(settings, prefix_cache_mb=prefix_cache_mb)
     if name == "plain":
-        return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head))
+        return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head, prefix_cache=target_prefixes), [target_prefixes] if reuse else [])
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
     if name.startswith("draft-model"):
         drafter = settings.build(draft, name=draft.name)
@@ -329,7 +357,10 @@ def build_method(
         drafter = lookup_then_model(settings.build(draft, name=draft.name))
     else:
         drafter = lookup_drafter(variant.tune)
-    return OursMethod(label, SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, tree_rows=tree_rows, **adaptive))
+    decoder = SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, tree_rows=tree_rows, prefix_cache=target_prefixes, **adaptive)
+    draft_model = getattr(drafter, "fallback", drafter)  # the draft model behind prompt lookup
+    caches = [cache for cache in (target_prefixes, getattr(draft_model, "prefix_cache", None)) if cache is not None]
+    return OursMethod(label, decoder, caches)
 
 
 def lookup_drafter(tune: int | None) -> Any:

@@ -136,7 +136,7 @@ def category_detail_table(summaries: Sequence[MethodSummary], baseline: str) -> 
 def time_split_table(summaries: Sequence[MethodSummary]) -> tuple[list[str], list[list[str]]]:
     """Where each of our methods' wall-clock went (share and seconds over all runs), and the mean
     cost of one verification pass and of one drafter pass: what to work on next, per method."""
-    header = ["method", "prefill", "draft", "verify", "other", "ms / verify pass", "ms / draft pass", "branches kept"]
+    header = ["method", "prefill", "draft", "verify", "other", "ms / verify pass", "ms / draft pass", "branches kept", "prompt reused"]
     rows = []
     for s in summaries:
         split = s.time_split
@@ -146,7 +146,8 @@ def time_split_table(summaries: Sequence[MethodSummary]) -> tuple[list[str], lis
         per_verify = f"{1000 * split.verify / split.target_calls:.0f}" if split.target_calls else "-"
         per_draft = f"{1000 * split.draft / split.draft_calls:.1f}" if split.draft_calls else "-"
         branches = f"{split.branches_accepted} / {split.branches_verified}" if split.branches_verified else "-"
-        rows.append([s.method, *shares, per_verify, per_draft, branches])
+        reused = f"{split.reused_prompt_tokens / split.prompt_tokens:.0%} ({split.reused_prompt_tokens})" if split.reused_prompt_tokens else "-"
+        rows.append([s.method, *shares, per_verify, per_draft, branches, reused])
     return header, rows
 
 

@@ -50,6 +50,7 @@ class Row:
     accepted_per_round: list[int] | None
     token_ids: list[int]
     prefill_seconds: float | None = None  # the target's prompt prefill within ``seconds``; None: not observable (HF)
+    reused_prompt_tokens: int = 0  # prompt positions restored from the method's prefix cache (ours, --prefix-cache-mb)
     draft_seconds: float | None = None  # drafting within ``seconds`` (ours only)
     verify_seconds: float | None = None  # verification passes within ``seconds`` (ours only)
     branches_verified: int = 0  # runner-up tokens verified beside the chain (ours, one-level draft trees)
@@ -120,6 +121,9 @@ def run_bench(
             first = conversation_ids(tokenizer, [{"role": "user", "content": prompts[0].text}], settings.chat)
             for method in methods.values():
                 method.run(first, min(WARMUP_TOKENS, settings.max_new_tokens), settings.sampling)
+                forget = getattr(method, "forget", None)
+                if forget is not None:  # the timed run of that prompt must not start from the warm-up's
+                    forget()
         for prompt in prompts:
             messages: list[dict[str, str]] = []
             for turn, text in enumerate(prompt.turns[: len(prompt.turns) if settings.multi_turn else 1], start=1):
@@ -187,6 +191,7 @@ def _row(prompt: Prompt, turn: int, method: str, input_ids: list[int], output: R
         accepted_per_round=output.accepted_per_round,
         token_ids=output.token_ids,
         prefill_seconds=output.prefill_seconds,
+        reused_prompt_tokens=output.reused_prompt_tokens,
         draft_seconds=output.draft_seconds,
         verify_seconds=output.verify_seconds,
         branches_verified=output.branches_verified,

@@ -75,6 +75,8 @@ class TimeSplit:
     draft_calls: int
     branches_verified: int = 0  # runner-up tokens verified beside the chain (one-level draft trees)
     branches_accepted: int = 0
+    prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # restored from the method's prefix cache, not prefilled
 
     @property
     def total(self) -> float:
@@ -93,6 +95,7 @@ def time_split(rows: Sequence[Row]) -> TimeSplit | None:
     return TimeSplit(
         prefill, draft, verify, other, calls, sum(row.draft_calls or 0 for row in rows),
         sum(row.branches_verified for row in rows), sum(row.branches_accepted for row in rows),
+        sum(row.prompt_tokens for row in rows), sum(row.reused_prompt_tokens for row in rows),
     )
 
 

@@ -11,6 +11,7 @@ from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.draft_vocab import full_vocab_probs, leading_token_ids, reduced_lm_head
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_product, lean_unsupported_reason, next_logits_many
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.modelref import unwrap_model
 from verispec.models.int4_screen import Int4ScreenedHead, screenable
 from verispec.models.panel_linear import panel_or_same
@@ -73,6 +74,7 @@ class DraftModel:
         path_confidence: float | None = None,
         alternatives: int = 0,
         greedy_head: str = "screened",
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model, self.tokenizer = unwrap_model(model, argument="DraftModel(model)")
         if greedy_head not in ("screened", "full"):
@@ -105,6 +107,14 @@ class DraftModel:
             self.lm_head = lean_product(self.lm_head, panel_kernels)
         elif panel_kernels:
             self.lm_head = panel_or_same(self.lm_head)
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            raise ValueError(f"prefix_cache must be a PrefixCache or None, got {type(prefix_cache).__name__}")
+        if prefix_cache is not None and self.lean_decoder is None:
+            raise ValueError("prefix_cache needs the draft on the lean forward")
+        # Sessions start from (and store) prefixes of earlier prompts and answers: the draft's own
+        # prompt pass is what a short answer after a long prompt cannot earn back. Not row-exact:
+        # the draft's logits never reach the output, only what it proposes.
+        self.prefix_cache = prefix_cache
         # What greedy sessions multiply by: the 4-bit screen where the head is int8 on the VNNI kernels.
         self.greedy_head = Int4ScreenedHead(self.lm_head) if greedy_head == "screened" and screenable(self.lm_head) else self.lm_head
 
@@ -117,7 +127,7 @@ class DraftModel:
         # The model's own head unless a draft vocabulary is set; greedy sessions its screen if any.
         head = self.greedy_head if sampling.is_greedy else self.lm_head
         if self.lean_decoder is not None:
-            lm: CachedLM = LeanLM(self.model, self.lean_decoder, lm_head=head)
+            lm: CachedLM = LeanLM(self.model, self.lean_decoder, lm_head=head, prefixes=self.prefix_cache, row_exact=False)
         else:
             lm = CachedLM(self.model, lm_head=head)
         return DraftModelSession(lm, sampling, self.confidence_threshold, self.vocab_ids, self.vocab_size, self.path_confidence, self.alternatives)
@@ -135,12 +145,18 @@ class DraftModelSettings:
     panel_kernels: bool = True
     alternatives: int = 0  # runner-ups per draft position for draft trees (TREE_ALTERNATIVES where tree_rows > 0)
     greedy_head: str = "screened"  # or "full"
+    prefix_cache_mb: int = 0  # each built drafter's own PrefixCache of this size where the draft runs the lean forward; 0: none
 
     def build(self, model: Any, name: str = "draft-model") -> DraftModel:
-        return DraftModel(
+        if isinstance(self.prefix_cache_mb, bool) or not isinstance(self.prefix_cache_mb, int) or self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be an integer >= 0, got {self.prefix_cache_mb!r}")
+        drafter = DraftModel(
             model, name=name, confidence_threshold=self.confidence_threshold, draft_vocab=self.draft_vocab, lean=self.lean,
             panel_kernels=self.panel_kernels, path_confidence=self.path_confidence, alternatives=self.alternatives, greedy_head=self.greedy_head,
         )
+        if self.prefix_cache_mb > 0 and drafter.lean_decoder is not None:
+            drafter.prefix_cache = PrefixCache(self.prefix_cache_mb << 20)
+        return drafter
 
 
 def round_stops(token_prob: float, path_prob: float, confidence_threshold: float | None, path_confidence: float | None) -> bool:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from verispec.drafters.base import DraftContext, Drafter, Proposal
-from verispec.engine.lean_lm import target_lm
+from verispec.engine.lean_lm import prefix_reuse_unsupported_reason, target_lm
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.gamma import AdaptiveGamma
 from verispec.engine.monitor import AcceptanceMonitor, AcceptanceSnapshot
 from verispec.engine.stats import GenerationStats
@@ -70,6 +71,10 @@ class SpeculativeDecoder:
     fused lean stack: a one-level draft tree. When the chain is rejected at a position where a
     runner-up is the target's token, that token and the target's next one are emitted too (exact:
     each branch row is computed bit for bit as that token fed in the chain). 0: chains only.
+    ``prefix_cache``: a :class:`~verispec.engine.prefix_cache.PrefixCache` for the target (where it
+    runs the fused lean stack): a prompt starts from the longest prefix of an earlier sequence
+    (a shared system prompt, a chat's earlier turns) and only the rest is prefilled; the tokens are
+    the same as without it (every pass then runs row-exact). None: every prompt is prefilled whole.
     """
 
     def __init__(
@@ -82,8 +87,14 @@ class SpeculativeDecoder:
         monitor: AcceptanceMonitor | None = None,
         screen_lm_head: bool = True,
         tree_rows: int = DEFAULT_TREE_ROWS,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target, target_tokenizer = unwrap_model(target, argument="target")
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            raise ValueError(f"prefix_cache must be a PrefixCache or None, got {type(prefix_cache).__name__}")
+        if prefix_cache is not None and (reason := prefix_reuse_unsupported_reason(self.target)) is not None:
+            raise ValueError(f"prefix_cache cannot serve this target: {reason}")
+        self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer if tokenizer is not None else target_tokenizer
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
@@ -160,7 +171,7 @@ class SpeculativeDecoder:
     def _rounds(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, stopper: StopCondition) -> Iterator[StepResult]:
         generator = sampling.make_generator()
         stats = GenerationStats(prompt_tokens=len(prompt))
-        target = target_lm(self.target, screen_lm_head=self.screen_lm_head)
+        target = target_lm(self.target, screen_lm_head=self.screen_lm_head, prefixes=self.prefix_cache)
         wants_features = bool(self.drafter is not None and self.drafter.needs_target_features)
         # Draft trees: greedy passes only (the branch rule below is greedy verification), and not for
         # feature-reading drafters (they would need the kept branch's features handed over).
@@ -179,6 +190,7 @@ class SpeculativeDecoder:
             with _timed(stats, "prefill_s"):
                 if len(prompt) > 1:
                     prefill = target.extend(prompt[:-1], num_logits=0)
+                    stats.reused_prompt_tokens = getattr(target, "reused_tokens", 0)
                     if wants_features:
                         unseen_features.append(prefill.features)
             while True:

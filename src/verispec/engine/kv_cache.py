@@ -48,6 +48,39 @@ class LayerKVCache:
         self.length = length
 
 
+class RowLog:
+    """Rows of one sequence's cached tokens (e.g. top-layer features [n, hidden]), grown by doubling
+    and rolled back with the sequence's caches; ``crop`` is the only rollback."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None  # [capacity, width]
+        self.length = 0
+
+    @property
+    def width(self) -> int | None:
+        return None if self.rows is None else self.rows.shape[1]
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Store a copy of rows # [n, width] after the others."""
+        start, end = self.length, self.length + rows.shape[0]
+        if self.rows is None or end > self.rows.shape[0]:
+            grown = torch.empty(max(end, 2 * (0 if self.rows is None else self.rows.shape[0]), 256), rows.shape[1], dtype=rows.dtype)
+            if self.rows is not None:
+                grown[:start] = self.rows[:start]
+            self.rows = grown
+        self.rows[start:end] = rows
+        self.length = end
+
+    def view(self) -> torch.Tensor:
+        """All stored rows # [length, width]."""
+        return self.rows[: self.length] if self.rows is not None else torch.zeros(0, 0)
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length must be in [0, {self.length}], got {length}")
+        self.length = length
+
+
 def causal_mask_after(cached: int, num_new: int, device: torch.device | None = None) -> torch.Tensor | None:
     """Which keys each of ``num_new`` rows appended after ``cached`` positions attends to # [num_new, cached+num_new]
     bool: every cached position and the new ones up to itself. None for a single row (it sees all)."""

@@ -38,7 +38,8 @@ from torch import nn
 
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.cached_lm import CachedLM, ForwardOutput
-from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
+from verispec.engine.kv_cache import LayerKVCache, RowLog, causal_mask_after
+from verispec.engine.prefix_cache import PrefixCache, start_sequence
 from verispec.models.panel_linear import PanelLinear, bf16_kernels_available, bf16_uses_amx, int8_uses_amx, panel_library, panel_or_same
 from verispec.models.quantize import is_quantized, stacked_linear
 from verispec.models.screened_head import ScreenedArgmaxHead
@@ -108,7 +109,7 @@ def target_runs_lean(model: nn.Module) -> bool:
     return _runs_panel_kernels(model) and lean_unsupported_reason(model) is None
 
 
-def target_lm(model: nn.Module, screen_lm_head: bool = True) -> CachedLM:
+def target_lm(model: nn.Module, screen_lm_head: bool = True, prefixes: PrefixCache | None = None) -> CachedLM:
     """The cached sequence the engine runs a target through: a :class:`LeanLM` when the target runs
     the panel kernels and the lean forward covers it — then a pass over up to 128 tokens is one
     kernel call over the model's own packed weights (no copy), ~25 ms less per 1.5B pass than
@@ -119,11 +120,25 @@ def target_lm(model: nn.Module, screen_lm_head: bool = True) -> CachedLM:
 
     ``screen_lm_head``: greedy passes (``extend(..., argmax_only=True)``) take the argmax of a
     float32 panel LM head through its int8 screen (:class:`~verispec.models.screened_head.ScreenedArgmaxHead`:
-    the same argmax, about a quarter of the head's bytes)."""
+    the same argmax, about a quarter of the head's bytes).
+
+    ``prefixes``: start from (and keep) stored prefixes; needs :func:`prefix_reuse_unsupported_reason` None."""
     argmax_head = ScreenedArgmaxHead.for_head(model.get_output_embeddings()) if screen_lm_head else None
+    if prefixes is not None and (reason := prefix_reuse_unsupported_reason(model)) is not None:
+        raise ValueError(f"prefix reuse cannot run this target: {reason}")
     if target_runs_lean(model):
-        return LeanLM(model, LeanDecoder.shared(model), argmax_head=argmax_head)
+        return LeanLM(model, LeanDecoder.shared(model), argmax_head=argmax_head, prefixes=prefixes)
     return CachedLM(model, argmax_head=argmax_head)
+
+
+def prefix_reuse_unsupported_reason(model: nn.Module) -> str | None:
+    """Why a :class:`~verispec.engine.prefix_cache.PrefixCache` cannot serve ``model`` as a target
+    (its reuse must be exact: only the fused lean stack computes every row as alone), or None."""
+    if not target_runs_lean(model):
+        return "it does not run the lean forward (it needs the panel kernels and a Llama/Qwen2/Mistral-family model)"
+    if LeanDecoder.shared(model).fused is None:
+        return "the fused stack does not cover this model's products"
+    return None
 
 
 @dataclass
@@ -201,15 +216,16 @@ class LeanDecoder:
         return [LayerKVCache() for _ in self.layers]
 
     @torch.inference_mode()
-    def forward_many(self, input_ids: list[list[int]], sequences: list[list[LayerKVCache]]) -> list[torch.Tensor]:
+    def forward_many(self, input_ids: list[list[int]], sequences: list[list[LayerKVCache]], row_exact: bool = False) -> list[torch.Tensor]:
         """Top-layer features # [n_i, hidden] of each sequence's new ids, continuing its caches: as many
         sequences per fused call as the kernels take rows (batched serving; needs ``self.fused``). A
-        sequence alone in its call runs :meth:`forward`, call for call what a single sequence runs."""
+        sequence alone in its call runs :meth:`forward`, call for call what a single sequence runs
+        (``row_exact`` as there)."""
         lengths = [len(ids) for ids in input_ids]
         features: list[torch.Tensor] = []
         for first, last in _groups(lengths, self.fused.max_rows):
             if last - first == 1:
-                features.append(self.forward(torch.tensor(input_ids[first], dtype=torch.long), sequences[first]))
+                features.append(self.forward(torch.tensor(input_ids[first], dtype=torch.long), sequences[first], row_exact))
                 continue
             starts = [caches[0].length for caches in sequences[first:last]]
             positions = torch.cat([torch.arange(start, start + count, dtype=torch.float32) for start, count in zip(starts, lengths[first:last])])  # [n]
@@ -233,14 +249,21 @@ class LeanDecoder:
         return self.fused(self.embed(input_ids), [caches], [num_new], cos, sin, row_prefix)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, caches: list[LayerKVCache]) -> torch.Tensor:
-        """Top-layer features # [n, hidden] of input_ids # [n] continuing the cached sequence (appended to ``caches``)."""
+    def forward(self, input_ids: torch.Tensor, caches: list[LayerKVCache], row_exact: bool = False) -> torch.Tensor:
+        """Top-layer features # [n, hidden] of input_ids # [n] continuing the cached sequence (appended to ``caches``).
+
+        ``row_exact``: every pass through the fused stack (``max_rows`` rows a call), however long,
+        so that each position's keys, values and features are exactly what a pass over it
+        alone gives, however the sequence was split into passes (prefix reuse needs that; the
+        op-by-op path's products and attention may round differently for different row counts)."""
         num_new, start = len(input_ids), caches[0].length
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = rotary_cos_sin(torch.arange(start, start + num_new, dtype=torch.float32), self.inv_freq)  # [n, head_dim]
         if self.fused is not None and num_new <= self.fused.max_rows:
             return self.fused(self.embed(input_ids), [caches], [num_new], cos, sin)
-        if self.fused is not None and self.fused.chunks_long_passes and num_new <= MAX_CHUNKED_PASS:  # a prompt, max_rows at a time
+        if row_exact and self.fused is None:
+            raise ValueError("row_exact passes need the fused stack (LeanDecoder.fused)")
+        if self.fused is not None and (row_exact or (self.fused.chunks_long_passes and num_new <= MAX_CHUNKED_PASS)):  # a prompt, in pieces
             embedded, rows = self.embed(input_ids), self.fused.max_rows
             return torch.cat([
                 self.fused(embedded[first : first + rows], [caches], [min(rows, num_new - first)], cos[first : first + rows], sin[first : first + rows])
@@ -370,21 +393,69 @@ _SHARED: "weakref.WeakKeyDictionary[nn.Module, dict[bool, LeanDecoder]]" = weakr
 
 
 class LeanLM(CachedLM):
-    """:class:`CachedLM` (same extend / crop / sync / release) running a :class:`LeanDecoder` on its own cache."""
+    """:class:`CachedLM` (same extend / crop / sync / release) running a :class:`LeanDecoder` on its own cache.
 
-    def __init__(self, model: nn.Module, decoder: LeanDecoder, lm_head: nn.Module | None = None, argmax_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    ``prefixes``: a :class:`~verispec.engine.prefix_cache.PrefixCache` of this model: the sequence's
+    first pass starts from the longest prefix stored there and stores what it computed, and
+    :meth:`release` stores the whole sequence (a chat's next turn starts from it).
+    ``row_exact`` (with ``prefixes``): every pass runs row-exact through the fused stack (see
+    :meth:`LeanDecoder.forward`), so the logits do not depend on what was stored before — what a
+    target needs. A drafter's LM may leave it off: its logits only decide what is proposed, and a
+    cold prompt of several hundred tokens prefills ~15% faster op by op.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decoder: LeanDecoder,
+        lm_head: nn.Module | None = None,
+        argmax_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        prefixes: PrefixCache | None = None,
+        row_exact: bool = True,
+    ) -> None:
+        if prefixes is not None and row_exact and decoder.fused is None:
+            raise ValueError("an exact prefix cache needs the fused lean stack (panel kernels over every product of the model)")
         self.decoder = decoder
+        self.prefixes = prefixes
+        self.row_exact = row_exact and prefixes is not None
+        # The features of the cached tokens, kept (and rolled back) only to store them with the keys/values.
+        self.feature_log = RowLog() if prefixes is not None else None
+        self.reused_tokens = 0  # positions the first pass restored instead of computing
         super().__init__(model, lm_head=lm_head, argmax_head=argmax_head)
 
     def _empty_cache(self) -> list[LayerKVCache]:
         return self.decoder.new_cache()
 
     def _run_body(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.forward(input_ids, self.cache)
+        if self.prefixes is None:
+            return self.decoder.forward(input_ids, self.cache)
+        if self.cache[0].length == 0:  # a prompt: from the longest stored prefix
+            compute = lambda ids: self.decoder.forward(torch.tensor(ids, dtype=torch.long), self.cache, self.row_exact)  # noqa: E731
+            features, self.reused_tokens = start_sequence(self.prefixes, input_ids.tolist(), self.cache, self.feature_log, compute)
+            return features
+        features = self.decoder.forward(input_ids, self.cache, self.row_exact)  # [n, hidden]
+        self.feature_log.append(features)
+        return features
 
     def _drop_cached(self, num_tokens: int) -> None:
         for layer_cache in self.cache:
             layer_cache.crop(layer_cache.length - num_tokens)
+        if self.feature_log is not None:
+            self.feature_log.crop(self.feature_log.length - num_tokens)
+
+    def log_features(self, features: torch.Tensor) -> None:
+        """Record the features # [n, hidden] of tokens a caller fed through the decoder directly (batched drafting)."""
+        if self.feature_log is not None:
+            self.feature_log.append(features)
+
+    def release(self) -> None:
+        # Store the sequence before freeing it, if the cache holds exactly the tokens on record (a
+        # pass that raised midway may have written keys it never recorded: then nothing is stored).
+        if self.prefixes is not None and self.token_ids and all(cache.length == len(self.token_ids) for cache in self.cache) and self.feature_log.length == len(self.token_ids):
+            self.prefixes.store(self.token_ids, self.cache, self.feature_log.view())
+        super().release()
+        if self.feature_log is not None:
+            self.feature_log = RowLog()
 
     def max_branch_rows(self) -> int:
         return 0 if self.decoder.fused is None else self.decoder.fused.max_rows
@@ -398,6 +469,7 @@ class LeanLM(CachedLM):
         input_ids = torch.tensor(new_ids + [token for _, token in branches], dtype=torch.long)
         features = self.decoder.forward_branches(input_ids, self.cache, row_prefix)  # [n, hidden]
         self.token_ids.extend(input_ids.tolist())
+        self.log_features(features)
         return ForwardOutput(logits=self.logits(features, argmax_only), features=features)
 
     @torch.inference_mode()
@@ -408,6 +480,8 @@ class LeanLM(CachedLM):
         for layer_cache in self.cache:
             layer_cache.keys[:, position] = layer_cache.keys[:, branch_slot]
             layer_cache.values[:, position] = layer_cache.values[:, branch_slot]
+        if self.feature_log is not None:
+            self.feature_log.rows[position] = self.feature_log.rows[branch_slot]
         self.token_ids[position] = self.token_ids[branch_slot]
 
 
@@ -420,13 +494,17 @@ def next_logits_many(lms: list[CachedLM], new_ids: list[list[int]]) -> list[torc
     alone (the kernels' sums do not depend on the rows beside them), so the logits are the same."""
     first = lms[0]
     decoder = getattr(first, "decoder", None)
-    if len(lms) == 1 or decoder is None or decoder.fused is None or any(getattr(lm, "decoder", None) is not decoder for lm in lms):
+    # A first pass that may start from a stored prefix goes through its LM's own extend (a prompt: a
+    # pass of its own anyway).
+    starting = any(getattr(lm, "prefixes", None) is not None and not lm.token_ids for lm in lms)
+    if starting or len(lms) == 1 or decoder is None or decoder.fused is None or any(getattr(lm, "decoder", None) is not decoder for lm in lms):
         return [lm.extend(ids, num_logits=1).logits[0] for lm, ids in zip(lms, new_ids)]
     if any(not ids for ids in new_ids):
         raise ValueError("next_logits_many needs at least one new token per sequence")
-    features = decoder.forward_many(new_ids, [lm.cache for lm in lms])
-    for lm, ids in zip(lms, new_ids):
+    features = decoder.forward_many(new_ids, [lm.cache for lm in lms], row_exact=any(getattr(lm, "row_exact", False) for lm in lms))
+    for lm, ids, rows in zip(lms, new_ids, features):
         lm.token_ids.extend(ids)
+        lm.log_features(rows)
     last = torch.stack([rows[-1] for rows in features])  # [n, hidden]
     if all(lm.lm_head is first.lm_head for lm in lms):
         return list(first.logits(last))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # prompt positions the target's cache restored from a stored prefix (not computed)
     new_tokens: int = 0
     target_calls: int = 0  # verification passes (prefill not counted)
     draft_calls: int = 0  # drafter forward passes
@@ -71,6 +72,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "reused_prompt_tokens": self.reused_prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_calls": self.target_calls,
             "draft_calls": self.draft_calls,

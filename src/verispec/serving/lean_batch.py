@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from verispec.engine.cached_lm import ForwardOutput
-from verispec.engine.kv_cache import LayerKVCache
+from verispec.engine.kv_cache import LayerKVCache, RowLog
 from verispec.engine.lean_lm import LeanDecoder, target_lm, target_runs_lean
+from verispec.engine.prefix_cache import PrefixCache, start_sequence
 from verispec.serving.batch_cache import check_feeds, check_kept, head_outputs
 
 
@@ -45,7 +46,10 @@ class LeanBatchedTarget:
     how many of them each row keeps. Same interface as :class:`~verispec.serving.batch_cache.BatchedTarget`.
     """
 
-    def __init__(self, model: nn.Module, screen_lm_head: bool = True) -> None:
+    def __init__(self, model: nn.Module, screen_lm_head: bool = True, prefixes: PrefixCache | None = None) -> None:
+        """``prefixes``: a new row starts from the longest stored prefix of its prompt (a shared
+        system prompt, a conversation's earlier turns) and a leaving row stores its sequence; every
+        pass then runs row-exact (see :class:`~verispec.engine.prefix_cache.PrefixCache`)."""
         reason = lean_batching_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"lean batched serving cannot run this model: {reason}")
@@ -54,7 +58,13 @@ class LeanBatchedTarget:
         # The LM head (and its int8 argmax screen for greedy passes), as the engine computes it.
         self._head = target_lm(model, screen_lm_head=screen_lm_head)
         self.device = self._head.device
+        self.prefixes = prefixes
+        self.last_reused = 0  # prompt positions the last add() restored from ``prefixes``
         self._caches: list[list[LayerKVCache]] = []  # per row: its per-layer caches
+        # Per row, kept only with a prefix cache (to store the row when it leaves): its cached
+        # tokens and their features, rolled back with its caches.
+        self._token_ids: list[list[int]] = []
+        self._feature_logs: list[RowLog] = []
         self._fed: list[int] | None = None  # per row: tokens fed by the last extend(), awaiting commit()
 
     @property
@@ -78,14 +88,30 @@ class LeanBatchedTarget:
         self._check_committed()
         caches = self.decoder.new_cache()
         features = torch.zeros(0, self.decoder.hidden_size)  # [0, hidden]
-        if len(prompt) > 1:
-            features = self.decoder.forward(torch.tensor(prompt[:-1], dtype=torch.long), caches)
+        if self.prefixes is None:
+            if len(prompt) > 1:
+                features = self.decoder.forward(torch.tensor(prompt[:-1], dtype=torch.long), caches)
+            self._caches.append(caches)
+            return features
+        log, ids = RowLog(), prompt[:-1]
+        self.last_reused = 0
+        if ids:
+            compute = lambda rest: self.decoder.forward(torch.tensor(rest, dtype=torch.long), caches, row_exact=True)  # noqa: E731
+            features, self.last_reused = start_sequence(self.prefixes, ids, caches, log, compute)
         self._caches.append(caches)
+        self._token_ids.append(list(ids))
+        self._feature_logs.append(log)
         return features
 
     def remove(self, keep: list[int]) -> None:
-        """Keep only the rows at indices ``keep`` (in that order); free the others."""
+        """Keep only the rows at indices ``keep`` (in that order); free the others (stored first, with a prefix cache)."""
         self._check_committed()
+        if self.prefixes is not None:
+            for index in sorted(set(range(self.rows)) - set(keep)):
+                if self._token_ids[index]:
+                    self.prefixes.store(self._token_ids[index], self._caches[index], self._feature_logs[index].view())
+            self._token_ids = [self._token_ids[index] for index in keep]
+            self._feature_logs = [self._feature_logs[index] for index in keep]
         self._caches = [self._caches[index] for index in keep]
 
     @torch.inference_mode()
@@ -98,16 +124,23 @@ class LeanBatchedTarget:
         """
         check_feeds(new_ids, num_logits, self.rows)
         self._check_committed()
-        features = self.decoder.forward_many(new_ids, self._caches)  # each [len_i, hidden]
+        features = self.decoder.forward_many(new_ids, self._caches, row_exact=self.prefixes is not None)  # each [len_i, hidden]
         self._fed = [len(ids) for ids in new_ids]
+        if self.prefixes is not None:
+            for tokens, log, ids, rows in zip(self._token_ids, self._feature_logs, new_ids, features):
+                tokens.extend(ids)
+                log.append(rows)
         return head_outputs(self._head, features, num_logits, argmax_only)
 
     def commit(self, kept: list[int]) -> None:
         """Row ``i`` keeps the first ``kept[i]`` tokens it was fed by the last :meth:`extend`."""
         check_kept(kept, self._fed)
-        for caches, count, fed in zip(self._caches, kept, self._fed):
+        for row, (caches, count, fed) in enumerate(zip(self._caches, kept, self._fed)):
             for cache in caches:  # the one rollback: the rejected drafts' keys/values are dropped
                 cache.crop(cache.length - fed + count)
+            if self.prefixes is not None:
+                del self._token_ids[row][len(self._token_ids[row]) - fed + count :]
+                self._feature_logs[row].crop(self._feature_logs[row].length - fed + count)
         self._fed = None
 
     def _check_committed(self) -> None:

@@ -3,6 +3,11 @@
 Each level of concurrency runs ``concurrency`` clients; each client sends ``requests_per_client``
 streamed chat requests one after another (different HumanEval prompts). Reported per level:
 total generated tokens / wall time, median and p90 request latency, median time to first token.
+
+``conversation``: each client's requests are the turns of one chat instead — its first HumanEval
+prompt, then the conversation so far (every answer included) plus a follow-up request
+(:data:`FOLLOW_UPS`) — and the median time to first token of the later turns is reported apart:
+what a server that reuses the conversation's earlier prefill (``--prefix-cache-mb``) saves.
 """
 
 from __future__ import annotations
@@ -16,11 +21,21 @@ from dataclasses import dataclass
 import httpx
 
 
+FOLLOW_UPS = (
+    "Add type hints and a docstring with an example.",
+    "Now write three unit tests for it with pytest.",
+    "Make it faster if you can, and explain the change in one sentence.",
+    "Rewrite it without any imports.",
+)
+
+
 @dataclass(frozen=True)
 class RequestTiming:
     latency_s: float
     ttft_s: float
     tokens: int
+    text: str = ""
+    turn: int = 1
 
 
 @dataclass(frozen=True)
@@ -31,13 +46,14 @@ class LevelResult:
     p90_latency_s: float
     median_ttft_s: float
     requests: int
+    median_followup_ttft_s: float | None = None  # conversations: turns 2+ only
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> RequestTiming:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+async def _one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int, turn: int = 1) -> RequestTiming:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     started = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, text = None, 0, []
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}")
@@ -47,22 +63,33 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
             chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if ttft is None and any(choice["delta"].get("content") for choice in chunk["choices"]):
+            pieces = [choice["delta"].get("content") or "" for choice in chunk["choices"]]
+            if ttft is None and any(pieces):
                 ttft = time.perf_counter() - started
+            text += pieces
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     latency = time.perf_counter() - started
-    return RequestTiming(latency, ttft if ttft is not None else latency, tokens)
+    return RequestTiming(latency, ttft if ttft is not None else latency, tokens, "".join(text), turn)
 
 
-async def run_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, requests_per_client: int, api_key: str | None) -> LevelResult:
+async def run_level(
+    url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, requests_per_client: int, api_key: str | None, conversation: bool = False
+) -> LevelResult:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(600.0)) as client:
 
         async def one_client(index: int) -> list[RequestTiming]:
+            if conversation:  # one chat: its first prompt, then follow-ups on the whole conversation
+                messages, timings = [{"role": "user", "content": prompts[index % len(prompts)]}], []
+                for turn in range(1, requests_per_client + 1):
+                    timing = await _one_request(client, url, model, messages, max_tokens, turn)
+                    timings.append(timing)
+                    messages += [{"role": "assistant", "content": timing.text}, {"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]}]
+                return timings
             chosen = [prompts[(index * requests_per_client + i) % len(prompts)] for i in range(requests_per_client)]
-            return [await _one_request(client, url, model, prompt, max_tokens) for prompt in chosen]
+            return [await _one_request(client, url, model, [{"role": "user", "content": prompt}], max_tokens) for prompt in chosen]
 
         started = time.perf_counter()
         per_client = await asyncio.gather(*(one_client(i) for i in range(concurrency)))
@@ -76,6 +103,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
         p90_latency_s=latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
         median_ttft_s=statistics.median(t.ttft_s for t in timings),
         requests=len(timings),
+        median_followup_ttft_s=statistics.median(later) if (later := [t.ttft_s for t in timings if t.turn > 1]) else None,
     )
 
 
@@ -88,7 +116,12 @@ async def served_model(url: str, api_key: str | None) -> str:
 
 
 def format_table(results: list[LevelResult]) -> str:
-    lines = ["| concurrency | requests | total tok/s | median latency (s) | p90 latency (s) | median TTFT (s) |", "|---:|---:|---:|---:|---:|---:|"]
+    followups = any(r.median_followup_ttft_s is not None for r in results)
+    header = "| concurrency | requests | total tok/s | median latency (s) | p90 latency (s) | median TTFT (s) |" + (" median TTFT, turns 2+ (s) |" if followups else "")
+    lines = [header, "|---:|---:|---:|---:|---:|---:|" + ("---:|" if followups else "")]
     for r in results:
-        lines.append(f"| {r.concurrency} | {r.requests} | {r.tokens_per_s:.2f} | {r.median_latency_s:.2f} | {r.p90_latency_s:.2f} | {r.median_ttft_s:.2f} |")
+        line = f"| {r.concurrency} | {r.requests} | {r.tokens_per_s:.2f} | {r.median_latency_s:.2f} | {r.p90_latency_s:.2f} | {r.median_ttft_s:.2f} |"
+        if followups:
+            line += " - |" if r.median_followup_ttft_s is None else f" {r.median_followup_ttft_s:.2f} |"
+        lines.append(line)
     return "\n".join(lines)

@@ -16,6 +16,7 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter("verispec_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("verispec_prompt_tokens", "Prompt tokens of admitted generation requests", registry=r)
+        self.reused_prompt_tokens = Counter("verispec_reused_prompt_tokens", "Prompt tokens restored from the prefix cache instead of prefilled", registry=r)
         self.generated_tokens = Counter("verispec_generated_tokens", "Tokens generated (streamed to clients or not)", registry=r)
         self.time_to_first_token = Histogram("verispec_time_to_first_token_seconds", "From request arrival to its first generated token", buckets=_LATENCY_BUCKETS, registry=r)
         self.time_per_token = Histogram("verispec_time_per_output_token_seconds", "Time between a request's emissions divided by the tokens emitted, per token after the first", buckets=_LATENCY_BUCKETS, registry=r)

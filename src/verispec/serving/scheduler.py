@@ -40,6 +40,7 @@ from verispec.engine.gamma import AdaptiveGamma, StepCosts
 from verispec.engine.monitor import AcceptanceMonitor, MonitorConfig
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams
 from verispec.serving.batch_cache import BatchedTarget, CompactionPolicy
 from verispec.serving.gamma_policy import BatchGammaPolicy
@@ -77,12 +78,17 @@ class SchedulerConfig:
     # pass is one fused kernel call over every request's rows (serving/lean_batch.py); False, or a
     # target it cannot run: transformers' forward over one shared masked cache (serving/batch_cache.py).
     lean_batching: bool = True
+    # MB of keys/values of earlier requests kept so that a new one starts from the longest prefix
+    # it shares with them (a system prompt, a conversation's earlier turns); lean batching only; 0: off.
+    prefix_cache_mb: int = 0
 
     def __post_init__(self) -> None:
         for name in ("gamma", "max_batch", "max_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.prefix_cache_mb, bool) or not isinstance(self.prefix_cache_mb, int) or self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be an integer >= 0, got {self.prefix_cache_mb!r}")
 
 
 @dataclass
@@ -238,7 +244,8 @@ class Scheduler:
             _close(session)
             self._fail(request, error)
             return
-        stats = GenerationStats(prompt_tokens=len(prompt), prefill_s=time.perf_counter() - prefill_started)
+        reused = getattr(self.target, "last_reused", 0)
+        stats = GenerationStats(prompt_tokens=len(prompt), reused_prompt_tokens=reused, prefill_s=time.perf_counter() - prefill_started)
         row = _Row(request, list(prompt), stopper, request.sampling.make_generator(), session, stats)
         # Seeded requests stay uncontrolled: their text must not depend on timings (see _propose).
         if self.config.adaptive_gamma and session is not None and request.sampling.seed is None:
@@ -247,6 +254,7 @@ class Scheduler:
             row.unseen_features.append(features)
         self._rows.append(row)
         self.metrics.prompt_tokens.inc(len(prompt))
+        self.metrics.reused_prompt_tokens.inc(reused)
 
     def _round(self) -> None:
         rows = self._rows
@@ -430,7 +438,8 @@ class Scheduler:
 def batched_target(model: PreTrainedModel, config: SchedulerConfig) -> BatchedTarget | LeanBatchedTarget:
     """What runs the shared passes: the lean fused stack where it can, else the masked shared cache."""
     if config.lean_batching and lean_batching_unsupported_reason(model) is None:
-        return LeanBatchedTarget(model, config.screen_lm_head)
+        prefixes = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
+        return LeanBatchedTarget(model, config.screen_lm_head, prefixes)
     return BatchedTarget(model, config.compaction, config.screen_lm_head)
 
 
