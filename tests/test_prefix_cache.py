@@ -10,7 +10,7 @@ from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.engine.kv_cache import LayerKVCache, RowLog
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, target_lm
-from verispec.engine.prefix_cache import PrefixCache
+from verispec.engine.prefix_cache import PrefixCache, prefix_cache_of_mb
 from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.serving import BatchGammaPolicy, Scheduler, SchedulerConfig
 
@@ -90,6 +90,13 @@ def test_bad_arguments_are_refused_by_name():
         store.store([1, 2], caches, features)
     with pytest.raises(ValueError, match="empty sequence"):
         store.restore([1, 2, 3], caches, RowLog())
+    log = RowLog()
+    log.append(features)
+    assert not store.keep([1, 2], caches, log) and not store.keep([], [], RowLog()) and len(store) == 0  # not what they hold: left alone
+    assert store.keep([1, 2, 3], caches, log) and store.longest_match([1, 2, 3]) == 3
+    with pytest.raises(ValueError, match="prefix_cache_mb must be an integer >= 0, got -1"):
+        prefix_cache_of_mb(-1)
+    assert prefix_cache_of_mb(0) is None and prefix_cache_of_mb(2).max_bytes == 2 << 20
 
 
 def test_row_log_appends_grows_and_crops():

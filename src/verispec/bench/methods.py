@@ -326,17 +326,17 @@ def build_method(
         screen_lm_head = bool(variant.screen)
 
     from verispec.engine.lean_lm import prefix_reuse_unsupported_reason
-    from verispec.engine.prefix_cache import PrefixCache
+    from verispec.engine.prefix_cache import prefix_cache_of_mb
 
     prefix_cache_mb = variant.prefix if variant.prefix is not None else prefix_cache_mb
-    reuse = prefix_cache_mb > 0 and prefix_reuse_unsupported_reason(target.model) is None
-    target_prefixes = PrefixCache(prefix_cache_mb << 20) if reuse else None
+    target_prefixes = prefix_cache_of_mb(prefix_cache_mb) if prefix_cache_mb and prefix_reuse_unsupported_reason(target.model) is None else None
     settings = replace(settings, prefix_cache_mb=prefix_cache_mb)
     if name == "plain":
-        return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head, prefix_cache=target_prefixes), [target_prefixes] if reuse else [])
+        return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head, prefix_cache=target_prefixes), [target_prefixes] if target_prefixes is not None else [])
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
+    model_drafter = None  # the draft model (its prefix cache is the method's too)
     if name.startswith("draft-model"):
-        drafter = settings.build(draft, name=draft.name)
+        drafter = model_drafter = settings.build(draft, name=draft.name)
     elif name.startswith("eagle"):
         from verispec.drafters.eagle import EagleDrafter
 
@@ -354,12 +354,12 @@ def build_method(
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
         drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, name=name)
     elif name.startswith("ngram+"):
-        drafter = lookup_then_model(settings.build(draft, name=draft.name))
+        model_drafter = settings.build(draft, name=draft.name)
+        drafter = lookup_then_model(model_drafter)
     else:
         drafter = lookup_drafter(variant.tune)
     decoder = SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, tree_rows=tree_rows, prefix_cache=target_prefixes, **adaptive)
-    draft_model = getattr(drafter, "fallback", drafter)  # the draft model behind prompt lookup
-    caches = [cache for cache in (target_prefixes, getattr(draft_model, "prefix_cache", None)) if cache is not None]
+    caches = [cache for cache in (target_prefixes, getattr(model_drafter, "prefix_cache", None)) if cache is not None]
     return OursMethod(label, decoder, caches)
 
 

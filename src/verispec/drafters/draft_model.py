@@ -11,7 +11,7 @@ from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.draft_vocab import full_vocab_probs, leading_token_ids, reduced_lm_head
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, lean_product, lean_unsupported_reason, next_logits_many
-from verispec.engine.prefix_cache import PrefixCache
+from verispec.engine.prefix_cache import PrefixCache, prefix_cache_of_mb
 from verispec.modelref import unwrap_model
 from verispec.models.int4_screen import Int4ScreenedHead, screenable
 from verispec.models.panel_linear import panel_or_same
@@ -148,14 +148,13 @@ class DraftModelSettings:
     prefix_cache_mb: int = 0  # each built drafter's own PrefixCache of this size where the draft runs the lean forward; 0: none
 
     def build(self, model: Any, name: str = "draft-model") -> DraftModel:
-        if isinstance(self.prefix_cache_mb, bool) or not isinstance(self.prefix_cache_mb, int) or self.prefix_cache_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be an integer >= 0, got {self.prefix_cache_mb!r}")
+        prefixes = prefix_cache_of_mb(self.prefix_cache_mb)
         drafter = DraftModel(
             model, name=name, confidence_threshold=self.confidence_threshold, draft_vocab=self.draft_vocab, lean=self.lean,
             panel_kernels=self.panel_kernels, path_confidence=self.path_confidence, alternatives=self.alternatives, greedy_head=self.greedy_head,
         )
-        if self.prefix_cache_mb > 0 and drafter.lean_decoder is not None:
-            drafter.prefix_cache = PrefixCache(self.prefix_cache_mb << 20)
+        if drafter.lean_decoder is not None:
+            drafter.prefix_cache = prefixes
         return drafter
 
 

@@ -449,10 +449,8 @@ class LeanLM(CachedLM):
             self.feature_log.append(features)
 
     def release(self) -> None:
-        # Store the sequence before freeing it, if the cache holds exactly the tokens on record (a
-        # pass that raised midway may have written keys it never recorded: then nothing is stored).
-        if self.prefixes is not None and self.token_ids and all(cache.length == len(self.token_ids) for cache in self.cache) and self.feature_log.length == len(self.token_ids):
-            self.prefixes.store(self.token_ids, self.cache, self.feature_log.view())
+        if self.prefixes is not None:  # the whole sequence, before freeing it
+            self.prefixes.keep(self.token_ids, self.cache, self.feature_log)
         super().release()
         if self.feature_log is not None:
             self.feature_log = RowLog()

@@ -104,7 +104,8 @@ class PrefixCache:
         if count == 0 or any(cache.length != count for cache in caches) or features.shape[0] != count:
             raise ValueError(f"store() needs caches and features holding exactly the {count} tokens")
         wanted = torch.tensor(token_ids, dtype=torch.long)
-        covering = [key for key, entry in self._entries.items() if len(entry.token_ids) >= count and _common(entry.token_ids, wanted) == count]
+        shared = {key: _common(entry.token_ids, wanted) for key, entry in self._entries.items()}  # one comparison per entry
+        covering = [key for key, common in shared.items() if common == count]
         if covering:  # already there (as this sequence or a longer one): just mark it used
             self._entries.move_to_end(covering[0])
             return
@@ -116,13 +117,23 @@ class PrefixCache:
         )
         if entry.nbytes > self.max_bytes:
             return
-        for key in [key for key, old in self._entries.items() if _common(old.token_ids, wanted) == len(old.token_ids)]:
+        for key in [key for key, common in shared.items() if common == len(self._entries[key].token_ids)]:
             self._drop(key)  # a prefix of this one: superseded
         self._entries[self._next_id] = entry
         self._next_id += 1
         self.bytes += entry.nbytes
         while self.bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
+
+    def keep(self, token_ids: list[int], caches: list[LayerKVCache], features: RowLog) -> bool:
+        """:meth:`store` a sequence whose owner is letting it go, if its caches and feature log hold
+        exactly the tokens on record (a pass that raised midway may have written keys it never
+        recorded: then nothing is stored, and the owner goes on). Whether it was stored."""
+        count = len(token_ids)
+        if not count or features.length != count or any(cache.length != count for cache in caches):
+            return False
+        self.store(token_ids, caches, features.view())
+        return True
 
     def clear(self) -> None:
         for key in list(self._entries):
@@ -138,6 +149,13 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         self.bytes -= self._entries.pop(key).nbytes
+
+
+def prefix_cache_of_mb(megabytes: int, argument: str = "prefix_cache_mb") -> PrefixCache | None:
+    """A PrefixCache of ``megabytes`` MB, None for 0; a ValueError naming ``argument`` otherwise."""
+    if isinstance(megabytes, bool) or not isinstance(megabytes, int) or megabytes < 0:
+        raise ValueError(f"{argument} must be an integer >= 0, got {megabytes!r}")
+    return PrefixCache(megabytes << 20) if megabytes else None
 
 
 def start_sequence(

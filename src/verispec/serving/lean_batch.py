@@ -108,10 +108,7 @@ class LeanBatchedTarget:
         self._check_committed()
         if self.prefixes is not None:
             for index in sorted(set(range(self.rows)) - set(keep)):
-                tokens, caches, log = self._token_ids[index], self._caches[index], self._feature_logs[index]
-                # Only a row whose cache holds exactly its recorded tokens (as LeanLM.release checks).
-                if tokens and log.length == len(tokens) and all(cache.length == len(tokens) for cache in caches):
-                    self.prefixes.store(tokens, caches, log.view())
+                self.prefixes.keep(self._token_ids[index], self._caches[index], self._feature_logs[index])
             self._token_ids = [self._token_ids[index] for index in keep]
             self._feature_logs = [self._feature_logs[index] for index in keep]
         self._caches = [self._caches[index] for index in keep]

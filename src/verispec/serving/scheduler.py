@@ -40,7 +40,7 @@ from verispec.engine.gamma import AdaptiveGamma, StepCosts
 from verispec.engine.monitor import AcceptanceMonitor, MonitorConfig
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
-from verispec.engine.prefix_cache import PrefixCache
+from verispec.engine.prefix_cache import prefix_cache_of_mb
 from verispec.sampling import SamplingParams
 from verispec.serving.batch_cache import BatchedTarget, CompactionPolicy
 from verispec.serving.gamma_policy import BatchGammaPolicy
@@ -87,8 +87,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.prefix_cache_mb, bool) or not isinstance(self.prefix_cache_mb, int) or self.prefix_cache_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be an integer >= 0, got {self.prefix_cache_mb!r}")
+        prefix_cache_of_mb(self.prefix_cache_mb)  # checked here, built per scheduler (an empty cache costs nothing)
 
 
 @dataclass
@@ -438,8 +437,7 @@ class Scheduler:
 def batched_target(model: PreTrainedModel, config: SchedulerConfig) -> BatchedTarget | LeanBatchedTarget:
     """What runs the shared passes: the lean fused stack where it can, else the masked shared cache."""
     if config.lean_batching and lean_batching_unsupported_reason(model) is None:
-        prefixes = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
-        return LeanBatchedTarget(model, config.screen_lm_head, prefixes)
+        return LeanBatchedTarget(model, config.screen_lm_head, prefix_cache_of_mb(config.prefix_cache_mb))
     return BatchedTarget(model, config.compaction, config.screen_lm_head)
 
 
