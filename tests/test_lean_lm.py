@@ -209,3 +209,22 @@ def test_speculative_decoding_of_a_panel_target_equals_its_plain_decoding():
     speculative = SpeculativeDecoder(target, DraftModel(draft), gamma=4).generate(prompt, max_new_tokens=40, stop=[])
     assert speculative.token_ids == plain.token_ids
     assert speculative.stats.target_calls < plain.stats.target_calls
+
+
+@needs_kernels
+@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32, reason="the wide AVX-512 float32 kernels are not built here")
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_long_context_attention_gives_each_row_what_a_one_token_step_gives(head_dim):
+    # The kernel's attention walks the cache in blocks shared by every row and query head of a kv
+    # group (head sizes 64 and 128 keep a head in registers; others take the general loop). After a
+    # 150-token prompt (several blocks, not a multiple of four) a 7-row pass must give, bit for bit,
+    # what 7 single steps give, and match the model's own forward.
+    model = use_panel_kernels(tiny_llama(head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2))
+    together, one_by_one, reference = target_lm(model), target_lm(model), CachedLM(model)
+    prompt = [int(token) for token in torch.randint(3, 90, (150,), generator=torch.Generator().manual_seed(1))]
+    for lm in (together, one_by_one, reference):
+        lm.extend(prompt, num_logits=1)
+    block = [40, 41, 42, 43, 44, 45, 46]
+    batched = together.extend(block, num_logits=len(block)).logits
+    assert torch.equal(batched, torch.cat([one_by_one.extend([token], num_logits=1).logits for token in block]))
+    torch.testing.assert_close(batched, reference.extend(block, num_logits=len(block)).logits, atol=1e-4, rtol=1e-4)

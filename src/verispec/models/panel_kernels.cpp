@@ -736,36 +736,49 @@ static void rotate(float* v, int64_t D, const float* cos, const float* sin) {
   }
 }
 
-static inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float total = _mm_cvtss_f32(s);
-  for (; j < n; ++j) total += a[j] * b[j];
-  return total;
+#if defined(__AVX512F__)
+// out[0..3] = the sums of the lanes of w0..w3: each folded to 8 lanes (lane j + lane j+8), then the
+// same tree of pairwise sums as the 8-lane dot4 below.
+static inline void sum_lanes4(__m512 w0, __m512 w1, __m512 w2, __m512 w3, float* out) {
+  const auto fold = [](__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))); };
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(fold(w0), fold(w1)), _mm256_hadd_ps(fold(w2), fold(w3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
 }
+#endif
 
-// The dot products of a with four vectors b, b + stride, b + 2 stride, b + 3 stride: four independent
-// chains of FMAs instead of one (one chain waits on each FMA's latency: ~75 cycles a key at head_dim
-// 128, most of a many-row pass's attention), reduced together.
-static inline void dot4(const float* a, const float* b, int64_t stride, int64_t n, float* out) {
+// The dot products of a with four vectors b[0..3]: four independent chains of FMAs instead of one
+// (one chain waits on each FMA's latency: ~75 cycles a key at head_dim 128), reduced together. Every
+// attention score is this function of its query and key alone (a lone key passes itself four times:
+// the same lanes and sums), so it does not depend on which keys were computed beside it.
+static inline void dot4(const float* a, const float* const* b, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {  // 16 lanes: half the instructions; each half-sum then reduced as below
+    __m512 wide0 = _mm512_setzero_ps(), wide1 = _mm512_setzero_ps(), wide2 = _mm512_setzero_ps(), wide3 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512 x = _mm512_loadu_ps(a + j);
+      wide0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b[0] + j), wide0);
+      wide1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b[1] + j), wide1);
+      wide2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b[2] + j), wide2);
+      wide3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b[3] + j), wide3);
+    }
+    sum_lanes4(wide0, wide1, wide2, wide3, out);
+    return;
+  }
+#endif
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256 x = _mm256_loadu_ps(a + j);
-    acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + j), acc0);
-    acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + stride + j), acc1);
-    acc2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 2 * stride + j), acc2);
-    acc3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 3 * stride + j), acc3);
+    acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[0] + j), acc0);
+    acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[1] + j), acc1);
+    acc2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[2] + j), acc2);
+    acc3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[3] + j), acc3);
   }
   // hadd(hadd(acc0, acc1), hadd(acc2, acc3)) holds each vector's partial sums, one per lane and half.
   const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(acc0, acc1), _mm256_hadd_ps(acc2, acc3));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
   for (int64_t k = 0; k < 4; ++k)
-    for (int64_t tail = j; tail < n; ++tail) out[k] += a[tail] * b[k * stride + tail];
+    for (int64_t tail = j; tail < n; ++tail) out[k] += a[tail] * b[k][tail];
 }
 
 // e^x for 8 floats (Cephes' expf: e^x = 2^n e^r with n = round(x log2 e), r = x - n ln 2 in two
@@ -819,6 +832,155 @@ static inline void silu_mul_into(const float* g, const float* u, float* act, int
   });
 }
 
+// score[0..count) <- softmax(score * scaling), 8 lanes at a time: every step is elementwise or a
+// fixed order of sums over the row (8 lane sums, then lanes 0..7), so a row's weights depend on
+// its scores alone.
+static void softmax_row(float* score, int64_t count, float scaling) {
+  const __m256 scale = _mm256_set1_ps(scaling);
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= count; t += 8) {
+    const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(score + t), scale);
+    _mm256_storeu_ps(score + t, scaled);
+    top8 = _mm256_max_ps(top8, scaled);
+  }
+  float lanes[8], top = -INFINITY;
+  _mm256_storeu_ps(lanes, top8);
+  for (int j = 0; j < 8; ++j) top = lanes[j] > top ? lanes[j] : top;
+  for (; t < count; ++t) {
+    score[t] *= scaling;
+    top = score[t] > top ? score[t] : top;
+  }
+  const __m256 top_lanes = _mm256_set1_ps(top);
+  map_lanes(score, nullptr, score, count, [&](__m256 x, __m256) { return exp8(_mm256_sub_ps(x, top_lanes)); });
+  __m256 sum8 = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= count; t += 8) sum8 = _mm256_add_ps(sum8, _mm256_loadu_ps(score + t));
+  _mm256_storeu_ps(lanes, sum8);
+  float total = 0.0f;
+  for (int j = 0; j < 8; ++j) total += lanes[j];
+  for (; t < count; ++t) total += score[t];
+  const __m256 total_lanes = _mm256_set1_ps(total);
+  map_lanes(score, nullptr, score, count, [&](__m256 x, __m256) { return _mm256_div_ps(x, total_lanes); });
+}
+
+// score[t] = dot4(query, key t) for t in t0..t1 (multiples of 4). With AVX-512 and head_dim 64 or
+// 128 the query stays in registers across the keys (the same operations as dot4): reloading it
+// per key kept a block's keys from staying in L1 while a few dozen tasks took turns.
+#if defined(__AVX512F__)
+template <int V>
+static inline void scores_in_registers(const float* query, const float* key_rows, int64_t t0, int64_t t1, float* score) {
+  constexpr int64_t D = 16 * V;
+  __m512 x[V];
+  for (int v = 0; v < V; ++v) x[v] = _mm512_loadu_ps(query + 16 * v);
+  for (int64_t t = t0; t < t1; t += 4) {
+    const float* keys = key_rows + t * D;
+    __m512 wide0 = _mm512_setzero_ps(), wide1 = _mm512_setzero_ps(), wide2 = _mm512_setzero_ps(), wide3 = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) {
+      wide0 = _mm512_fmadd_ps(x[v], _mm512_loadu_ps(keys + 16 * v), wide0);
+      wide1 = _mm512_fmadd_ps(x[v], _mm512_loadu_ps(keys + D + 16 * v), wide1);
+      wide2 = _mm512_fmadd_ps(x[v], _mm512_loadu_ps(keys + 2 * D + 16 * v), wide2);
+      wide3 = _mm512_fmadd_ps(x[v], _mm512_loadu_ps(keys + 3 * D + 16 * v), wide3);
+    }
+    sum_lanes4(wide0, wide1, wide2, wide3, score + t);
+  }
+}
+
+// ctx (+)= sum_t score[t] value[t] for t in t0..t1 (continuing ctx unless t0 is 0), or for the one
+// slot `own` (>= 0) with weight score[t0]: the whole head in registers (a run-time column count kept
+// the sums in memory, a load and a store per multiply-add).
+template <int V>
+static inline void weighted_values(const float* score, const float* value_rows, int64_t t0, int64_t t1, int64_t own, float* ctx) {
+  constexpr int64_t D = 16 * V;
+  __m512 acc[V];
+  for (int v = 0; v < V; ++v) acc[v] = t0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ctx + 16 * v);
+  for (int64_t t = t0; t < t1; ++t) {
+    const __m512 weight = _mm512_set1_ps(score[t]);
+    const float* value_row = value_rows + (own >= 0 ? own : t) * D;
+    for (int v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value_row + 16 * v), acc[v]);
+  }
+  for (int v = 0; v < V; ++v) _mm512_storeu_ps(ctx + 16 * v, acc[v]);
+}
+#endif
+
+static inline void scores_of(const float* query, const float* key_rows, int64_t t0, int64_t t1, int64_t D, float* score) {
+#if defined(__AVX512F__)
+  if (D == 128) return scores_in_registers<8>(query, key_rows, t0, t1, score);
+  if (D == 64) return scores_in_registers<4>(query, key_rows, t0, t1, score);
+#endif
+  for (int64_t t = t0; t < t1; t += 4) {
+    const float* keys[4] = {key_rows + t * D, key_rows + (t + 1) * D, key_rows + (t + 2) * D, key_rows + (t + 3) * D};
+    dot4(query, keys, D, score + t);
+  }
+}
+
+// Attention of one pass, one work item: kv group g of one sequence and a slice of its tasks (task =
+// one of its rows x one of the group's query heads). Why this shape: one task per (row, head), each
+// reading the whole cache, streamed a group's keys and values group size x rows times a layer; at
+// 8,192 cached positions (8 MB a task in the 1.5B target) a pass over 8 rows cost ~3x a 1-row step
+// (2026-12-03, 2 threads). Here the item walks the cache in blocks of ATTENTION_BLOCK positions and
+// every task of the item uses a block while it is in cache: each key and value is read from memory
+// once per item (8 rows at 8K positions: ~1.9x a 1-row step, which itself got ~20% cheaper). Every score is dot4 of its query and key, and every context element one chain of FMAs
+// over the positions in order (continued across blocks through ctx), so a row's outputs do not
+// depend on the rows or blocks beside it.
+//
+// A task sees positions 0..prefix-1 of the cache and then its own slot `own` as position prefix:
+// a chain row has prefix = own = its position; a branch row (a draft tree's alternative token,
+// stored after the chain) has its own prefix, and computes exactly what its token fed in the chain
+// at position prefix computes.
+#define ATTENTION_BLOCK 32
+struct AttentionTask {
+  const float* query;  // [D]
+  float* score;        // [prefix + 1]: raw scores, then the softmax weights
+  float* ctx;          // [D] output
+  int64_t prefix, own;
+};
+
+static void attend(const AttentionTask* tasks, int64_t count, const float* key_rows, const float* value_rows, int64_t D, float scaling) {
+  int64_t widest = 0;
+  for (int64_t task = 0; task < count; ++task) widest = tasks[task].prefix > widest ? tasks[task].prefix : widest;
+  // Scores of positions below prefix, four at a time, block by block; then the last prefix % 4 of
+  // them and the own slot in one dot4 (padded by repeating the own key).
+  for (int64_t t0 = 0; t0 < widest; t0 += ATTENTION_BLOCK)
+    for (int64_t task = 0; task < count; ++task) {
+      const AttentionTask& a = tasks[task];
+      const int64_t t1 = std::min(t0 + ATTENTION_BLOCK, a.prefix & ~(int64_t)3);
+      scores_of(a.query, key_rows, t0, t1, D, a.score);
+    }
+  for (int64_t task = 0; task < count; ++task) {
+    const AttentionTask& a = tasks[task];
+    const int64_t first = a.prefix & ~(int64_t)3, visible = a.prefix + 1;
+    const float* keys[4];
+    float last[4];
+    for (int64_t b = 0; b < 4; ++b) keys[b] = key_rows + (first + b < a.prefix ? first + b : a.own) * D;
+    dot4(a.query, keys, D, last);
+    memcpy(a.score + first, last, sizeof(float) * (visible - first));
+    softmax_row(a.score, visible, scaling);
+  }
+  // ctx = sum_t score[t] value[t]: head_dim (a multiple of 8, checked by the caller) up to 64
+  // columns at a time, so the accumulators stay in registers; positions block by block, then the own slot.
+  const auto accumulate = [&](const AttentionTask& a, int64_t t0, int64_t t1, bool own) {
+#if defined(__AVX512F__)
+    if (D == 128) return weighted_values<8>(a.score, value_rows, t0, t1, own ? a.own : -1, a.ctx);
+    if (D == 64) return weighted_values<4>(a.score, value_rows, t0, t1, own ? a.own : -1, a.ctx);
+#endif
+    for (int64_t first = 0; first < D; first += 64) {
+      __m256 acc[8];
+      const int64_t vectors = (D - first < 64 ? D - first : 64) / 8;
+      for (int64_t v = 0; v < vectors; ++v) acc[v] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(a.ctx + first + 8 * v);
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m256 weight = _mm256_set1_ps(a.score[t]);
+        const float* value_row = value_rows + (own ? a.own : t) * D + first;
+        for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value_row + 8 * v), acc[v]);
+      }
+      for (int64_t v = 0; v < vectors; ++v) _mm256_storeu_ps(a.ctx + first + 8 * v, acc[v]);
+    }
+  };
+  for (int64_t t0 = 0; t0 < widest; t0 += ATTENTION_BLOCK)
+    for (int64_t task = 0; task < count; ++task)
+      if (t0 < tasks[task].prefix) accumulate(tasks[task], t0, std::min(t0 + ATTENTION_BLOCK, tasks[task].prefix), false);
+  for (int64_t task = 0; task < count; ++task) accumulate(tasks[task], tasks[task].prefix, tasks[task].prefix + 1, true);
+}
+
 template <int KIND>
 static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, float* x, const float* cos, const float* sin,
                        const Weight* weights, const float* const* norms, const float* final_norm, float* out, int num_threads) {
@@ -844,6 +1006,11 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
   QuantizedBuffer quantized(KIND != F32_WEIGHTS ? n : 0, KIND != F32_WEIGHTS ? widest : 0, KIND == BF16_WEIGHTS ? 2 : 1);
   const Quantized q = quantized.q;
   const float scaling = 1.0f / sqrtf((float)D);
+  // Attention work items: each sequence's kv groups, split into slices only when there are fewer
+  // groups than threads (each slice reads the group's cache once).
+  std::vector<int64_t> seq_first(seq.count);
+  for (int64_t s = 0, i = 0; s < seq.count; i += seq.rows[s], ++s) seq_first[s] = i;
+  const int64_t slices = std::max<int64_t>(1, (num_threads + seq.count * KV - 1) / (seq.count * KV));
 #pragma omp parallel num_threads(num_threads)
   for (int64_t l = 0; l < d.num_layers; ++l) {
     // qkv (qkv_parts weights), o, gate_up (gate_up_parts weights), down
@@ -870,57 +1037,17 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
       }
     }
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < n * H; ++task) {
-      const int64_t i = task / H, head = task % H, g = head / group;
-      const float* keys = layer_caches[2 * row_seq[i]];
-      const float* values = layer_caches[2 * row_seq[i] + 1];
-      const int64_t capacity = layer_capacities[row_seq[i]];
-      const float* query = qkv + i * qkv_width + head * D;
-      const float* key_rows = keys + g * capacity * D;
-      const float* value_rows = values + g * capacity * D;
-      float* score = scores + task * end;
-      float top = -INFINITY;
-      // A branch row attends to positions 0..prefix-1 and its own slot, in that order: position t of
-      // its view is slot t below prefix and its own slot at prefix, so it performs exactly the
-      // operations a chain row at position prefix performs (blocks of 4 and tail alike): its
-      // outputs are bit for bit those of that token fed in the chain.
-      const int64_t own = row_pos[i], prefix = seq.row_prefix && seq.row_prefix[i] >= 0 ? seq.row_prefix[i] : own;
-      const int64_t visible = prefix + 1;
-      const auto slot = [&](int64_t t) { return t < prefix ? t : own; };
-      int64_t t = 0;
-      for (; t + 4 <= visible; t += 4) {
-        if (t + 3 < prefix || prefix == own) {
-          dot4(query, key_rows + t * D, D, D, score + t);
-        } else {  // the block holding the branch's own key: gather its four keys
-          float gathered[4 * 256];
-          for (int64_t b = 0; b < 4; ++b) memcpy(gathered + b * D, key_rows + slot(t + b) * D, sizeof(float) * D);
-          dot4(query, gathered, D, D, score + t);
-        }
+    for (int64_t item = 0; item < seq.count * KV * slices; ++item) {
+      const int64_t s = item / (KV * slices), g = item / slices % KV, slice = item % slices;
+      const int64_t count = seq.rows[s] * group, first = count * slice / slices, last = count * (slice + 1) / slices;
+      const int64_t capacity = layer_capacities[s];
+      std::vector<AttentionTask> tasks(last - first);
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t i = seq_first[s] + task / group, head = g * group + task % group, own = row_pos[i];
+        tasks[task - first] = {qkv + i * qkv_width + head * D, scores + (i * H + head) * end, context + i * H * D + head * D,
+                               seq.row_prefix && seq.row_prefix[i] >= 0 ? seq.row_prefix[i] : own, own};
       }
-      for (; t < visible; ++t) score[t] = dot(query, key_rows + slot(t) * D, D);
-      for (t = 0; t < visible; ++t) {
-        score[t] *= scaling;
-        top = score[t] > top ? score[t] : top;
-      }
-      for (t = 0; t < visible; ++t) score[t] -= top;
-      exp_into(score, score, visible);
-      float total = 0.0f;
-      for (t = 0; t < visible; ++t) total += score[t];
-      for (t = 0; t < visible; ++t) score[t] /= total;  // once, not once per block of columns
-      float* ctx = context + i * H * D + head * D;
-      // head_dim is a multiple of 8 (checked by the caller); up to 64 of its columns at a time, so
-      // the accumulators stay in registers whatever head_dim is (128 for Qwen2.5-1.5B).
-      for (int64_t first = 0; first < D; first += 64) {
-        __m256 acc[8];
-        const int64_t vectors = (D - first < 64 ? D - first : 64) / 8;
-        for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < visible; ++t) {
-          const __m256 weight = _mm256_set1_ps(score[t]);
-          const float* value_row = value_rows + slot(t) * D + first;
-          for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value_row + 8 * v), acc[v]);
-        }
-        for (int64_t v = 0; v < vectors; ++v) _mm256_storeu_ps(ctx + first + 8 * v, acc[v]);
-      }
+      attend(tasks.data(), last - first, layer_caches[2 * s] + g * capacity * D, layer_caches[2 * s + 1] + g * capacity * D, D, scaling);
     }
     panel_linear_for<KIND, true>(context, n, o_w, x, q);
 #pragma omp single
