@@ -69,6 +69,9 @@ def test_draft_forward_option_picks_the_draft_models_forward_and_keeps_the_text(
     assert draft_model_settings(parser.parse_args(["generate", "x", "--tree-rows", "12"])).alternatives == 2
     settings = draft_model_settings(parser.parse_args(["bench", "--draft-vocab", "0", "--draft-path-confidence", "0", "--draft-kernels", "torch"]))
     assert (settings.draft_vocab, settings.path_confidence, settings.panel_kernels) == (None, None, False)  # 0 = off
+    assert draft_model_settings(parser.parse_args(["serve", "--draft-window", "512"])).context_window == 512
+    assert draft_model_settings(parser.parse_args(["generate", "x"])).context_window == 1024  # the default
+    assert draft_model_settings(parser.parse_args(["bench", "--draft-window", "0"])).context_window is None  # 0 = the whole prompt
     common = ["generate", "--target", tiny_gguf, "--draft", tiny_gguf, "--max-new-tokens", "10", "--raw", "hello the"]
     texts = []
     for forward in ("lean", "transformers"):

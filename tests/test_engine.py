@@ -473,3 +473,29 @@ def test_path_confidence_stops_where_the_draft_path_probability_falls_below_it(t
     expected = next((i + 1 for i, product in enumerate(products) if product < threshold), len(free.tokens))
     assert stopped.tokens == free.tokens[:expected]
     assert 1 <= len(stopped.tokens) <= 12
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5)], ids=["greedy", "sampled"])
+def test_a_draft_seeing_only_the_last_tokens_of_the_prompt_keeps_the_output_exact(target, sampling):
+    # context_window: the draft's text starts 6 tokens before the prompt's end. Its cache holds
+    # exactly that window plus what came after it, its proposals are what the draft computes on the
+    # window alone, and the decoded output is the target's as with the whole prompt.
+    draft = noisy_copy(target, noise=0.2)
+    prompt = [2, 9, 4, 7, 11, 3, 8, 5, 6, 12, 10, 13]
+    windowed = DraftModel(draft, context_window=6)
+    session = windowed.start(prompt, SamplingParams())
+    proposal = session.propose(DraftContext(prompt), 5, torch.Generator())
+    assert session.lm.token_ids == prompt[-6:] + proposal.tokens[:-1]
+    alone = DraftModel(draft).start(prompt[-6:], SamplingParams()).propose(DraftContext(prompt[-6:]), 5, torch.Generator())
+    assert proposal.tokens == alone.tokens
+    whole = SpeculativeDecoder(target, DraftModel(draft), gamma=4).generate(prompt, 40, sampling, stop=[])
+    window = SpeculativeDecoder(target, windowed, gamma=4).generate(prompt, 40, sampling, stop=[])
+    if sampling.is_greedy:
+        assert window.token_ids == whole.token_ids == SpeculativeDecoder(target).generate(prompt, 40, sampling, stop=[]).token_ids
+    assert len(window.token_ids) == 40 and all(1 <= n <= 5 for n in window.stats.emitted_per_round)
+    short = DraftModel(draft, context_window=50).start(prompt, SamplingParams())  # a window longer than the prompt: all of it
+    short.propose(DraftContext(prompt), 2, torch.Generator())
+    assert short.lm.token_ids[: len(prompt)] == prompt
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="context_window"):
+            DraftModel(draft, context_window=bad)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not imported: --help loads no torch; a test checks)
+DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
 DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a doctest."
 
@@ -64,6 +65,7 @@ def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | N
     sub.add_argument("--draft-path-confidence", type=float, default=path_confidence, metavar="P", help=f"stop drafting a round once the product of the draft model's probabilities of this round's tokens is below P (its own estimate that the whole draft is accepted); 0 = off; {default}")
     sub.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft model: draft over the first N token ids plus the special ones only (byte-level BPE numbers tokens by merge order, roughly by frequency), so a draft step multiplies by N LM-head rows instead of all; 0 = the full vocabulary (default). Exact either way")
     sub.add_argument("--draft-greedy-head", choices=["screened", "full"], default="screened", help="screened (default): greedy draft steps of the int8 draft model read its LM head through a 4-bit copy (half the head's bytes, ~3 ms of a ~30 ms draft step here), the panels of the 64 largest logits recomputed in int8: the int8 head's choice at every position measured (the copy takes ~1.6 s to build and 68 MB for the 0.5B draft); full: the int8 head. The output is the target's either way; sampling drafts always use the full head")
+    sub.add_argument("--draft-window", type=int, default=DEFAULT_DRAFT_WINDOW, metavar="N", help=f"the draft model sees only the last N tokens of the prompt (and all it drafts and the target accepts after it): its prompt pass stays short on long inputs, where prompt lookup still copies from the whole text; 0 = the whole prompt (default {DEFAULT_DRAFT_WINDOW}). Exact either way")
     sub.add_argument("--draft-quantize", choices=["int8", "none"], default="int8", help="int8 (default): dynamic int8 linears for the draft model (or the EAGLE or parallel head), ~2x cheaper draft steps; the output stays exact whatever the draft computes")
     sub.add_argument("--draft-kernels", choices=["panel", "torch"], default="panel", help="panel (default): the lean draft forward through our AVX2 few-row kernels, a whole draft step in one call into them, and the draft's output layer too (same int8 weights; activations in float32, or in 8 bits where the CPU has VNNI dot products; falls back where they cannot run); torch: PyTorch's (fbgemm int8) kernels op by op. The output is the target's either way")
     sub.add_argument("--draft-forward", choices=["lean", "transformers"], default="lean", help="lean (default): the draft model runs through our own forward over its modules (stacked q/k/v and gate/up products, in-place KV cache; Llama/Qwen2/Mistral, else falls back); transformers: the model's own forward. The output is the target's either way")
@@ -77,7 +79,7 @@ def draft_model_settings(args: argparse.Namespace):  # noqa: ANN201 - DraftModel
         confidence_threshold=args.draft_confidence, path_confidence=args.draft_path_confidence or None, draft_vocab=args.draft_vocab or None,
         lean=None if getattr(args, "draft_forward", "lean") == "lean" else False, panel_kernels=draft_panel_kernels(args),
         alternatives=TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0, greedy_head=getattr(args, "draft_greedy_head", "screened"),
-        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0),
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0), context_window=getattr(args, "draft_window", 0) or None,
     )
 
 
@@ -108,6 +110,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft-path-confidence must be in [0, 1), got {args.draft_path_confidence}")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
+    if getattr(args, "draft_window", 0) < 0:
+        raise ValueError(f"--draft-window must be >= 0 (0 = the whole prompt), got {args.draft_window}")
     if getattr(args, "prefix_cache_mb", 0) < 0:
         raise ValueError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     if hasattr(args, "local_window"):

@@ -96,6 +96,8 @@ _OPTIONS = {
                     int, lambda v: v >= 0, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "dhead": _Option("draft model: 1 = greedy draft steps read the LM head through its 4-bit screen, 0 = the int8 head (the run's --draft-greedy-head otherwise)", int,
                      lambda v: v in (0, 1), lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "dwin": _Option("draft model: it sees only the last N prompt tokens; 0 = the whole prompt (the run's --draft-window otherwise)", int,
+                    lambda v: v >= 0, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "prefix": _Option("MB of this method's own prefix caches (target and draft model): prompts start from its earlier prompts' and answers' longest shared prefix; 0 = none (the run's --prefix-cache-mb otherwise)",
                       int, lambda v: v >= 0, lambda base: METHODS[base].family == "ours", "our methods"),
 }
@@ -115,6 +117,7 @@ class MethodVariant:
     tune: int | None = None
     tree: int | None = None
     dhead: int | None = None
+    dwin: int | None = None
     prefix: int | None = None
 
 
@@ -322,6 +325,8 @@ def build_method(
     settings = replace(settings, alternatives=TREE_ALTERNATIVES if tree_rows else 0)  # runner-ups only where trees verify them
     if variant.dhead is not None:
         settings = replace(settings, greedy_head="screened" if variant.dhead else "full")
+    if variant.dwin is not None:
+        settings = replace(settings, context_window=variant.dwin or None)
     if variant.screen is not None:
         screen_lm_head = bool(variant.screen)
 

@@ -213,7 +213,7 @@ def record_trace(prompt_id: str, decoder: Any, drafter: Any, prompt_ids: list[in
     tokens, probs, continuations = [], [], {}
 
     def greedy_step(fed: list[int]) -> tuple[int, float]:  # the draft's greedy token after ``fed`` and its probability
-        step_probs = torch.softmax(session.lm.extend(session.lm.sync(fed), num_logits=1).logits[0], dim=-1)  # [draft_vocab]
+        step_probs = torch.softmax(session.lm.extend(session.sync(fed), num_logits=1).logits[0], dim=-1)  # [draft_vocab]
         index = int(step_probs.argmax())
         return (index if session.vocab_ids is None else int(session.vocab_ids[index])), float(step_probs[index])
 
