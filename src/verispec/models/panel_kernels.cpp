@@ -919,9 +919,10 @@ static inline void scores_of(const float* query, const float* key_rows, int64_t 
 // 8,192 cached positions (8 MB a task in the 1.5B target) a pass over 8 rows cost ~3x a 1-row step
 // (2026-12-03, 2 threads). Here the item walks the cache in blocks of ATTENTION_BLOCK positions and
 // every task of the item uses a block while it is in cache: each key and value is read from memory
-// once per item (8 rows at 8K positions: ~1.9x a 1-row step, which itself got ~20% cheaper). Every score is dot4 of its query and key, and every context element one chain of FMAs
-// over the positions in order (continued across blocks through ctx), so a row's outputs do not
-// depend on the rows or blocks beside it.
+// once per item (8 rows at 8K positions: ~1.9x a 1-row step, which itself got ~20% cheaper). Every
+// score is dot4 of its query and key, and every context element one chain of FMAs over the
+// positions in order (continued across blocks through ctx), so a row's outputs do not depend on the
+// rows or blocks beside it.
 //
 // A task sees positions 0..prefix-1 of the cache and then its own slot `own` as position prefix:
 // a chain row has prefix = own = its position; a branch row (a draft tree's alternative token,
@@ -956,8 +957,9 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
     memcpy(a.score + first, last, sizeof(float) * (visible - first));
     softmax_row(a.score, visible, scaling);
   }
-  // ctx = sum_t score[t] value[t]: head_dim (a multiple of 8, checked by the caller) up to 64
-  // columns at a time, so the accumulators stay in registers; positions block by block, then the own slot.
+  // ctx = sum_t score[t] value[t], positions block by block, then the own slot: a head of 64 or 128
+  // in 16-lane registers (AVX-512), else head_dim (a multiple of 8, checked by the caller) up to 64
+  // columns at a time.
   const auto accumulate = [&](const AttentionTask& a, int64_t t0, int64_t t1, bool own) {
 #if defined(__AVX512F__)
     if (D == 128) return weighted_values<8>(a.score, value_rows, t0, t1, own ? a.own : -1, a.ctx);
@@ -989,8 +991,10 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
   // Per row: its sequence and its position in that sequence (what it sees: positions 0..position).
   int64_t* row_seq = (int64_t*)malloc(sizeof(int64_t) * 2 * n);
   int64_t* row_pos = row_seq + n;
+  std::vector<int64_t> seq_first(seq.count);  // each sequence's first row
   int64_t end = 0;  // the longest sequence after the pass: the width of a row's scores
   for (int64_t s = 0, i = 0; s < seq.count; ++s) {
+    seq_first[s] = i;
     for (int64_t j = 0; j < seq.rows[s]; ++j, ++i) row_seq[i] = s, row_pos[i] = seq.starts[s] + j;
     end = seq.starts[s] + seq.rows[s] > end ? seq.starts[s] + seq.rows[s] : end;
   }
@@ -1008,8 +1012,6 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
   const float scaling = 1.0f / sqrtf((float)D);
   // Attention work items: each sequence's kv groups, split into slices only when there are fewer
   // groups than threads (each slice reads the group's cache once).
-  std::vector<int64_t> seq_first(seq.count);
-  for (int64_t s = 0, i = 0; s < seq.count; i += seq.rows[s], ++s) seq_first[s] = i;
   const int64_t slices = std::max<int64_t>(1, (num_threads + seq.count * KV - 1) / (seq.count * KV));
 #pragma omp parallel num_threads(num_threads)
   for (int64_t l = 0; l < d.num_layers; ++l) {
