@@ -10,6 +10,7 @@ from tiny_models import noisy_copy, tiny_target
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.engine.kv_cache import LayerKVCache, RowLog
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, target_lm
+from verispec.drafters.draft_model import window_start
 from verispec.engine.prefix_cache import PrefixCache, prefix_cache_of_mb
 from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.serving import BatchGammaPolicy, Scheduler, SchedulerConfig
@@ -191,6 +192,42 @@ def test_speculative_decoding_with_prefix_reuse_emits_the_same_tokens(panel_targ
     assert cached.drafter.prefix_cache.stats.hits >= 3  # the draft's own prompt passes reused too
 
 
+def test_a_windowed_draft_keeps_its_start_across_a_conversations_turns_while_the_text_fits_two_windows():
+    window = 8  # grid of 2 positions
+    store = PrefixCache(1 << 20)
+    prompt = list(range(100, 120))  # 20 tokens
+    assert window_start(prompt[:8], window, store) == 0 and window_start(prompt, None, store) == 0
+    assert window_start(prompt, window, None) == 12  # no cache: exactly the last 8
+    assert window_start(prompt[:19], window, None) == 11 and window_start(prompt[:19], window, store) == 12  # cold: the grid start within the window
+    store.store(prompt[12:], *_sequence(prompt[12:]))  # the first turn, as its draft saw it
+    turn = prompt + [7, 7, 7]  # 23 tokens: its own window would start at 15 (grid 16)
+    assert window_start(turn, window, store) == 12  # 3 tokens to compute from 12, 7 from 16
+    assert window_start(turn[:-1] + [1], window, store) == 12
+    longer = prompt + list(range(200, 210))  # 30 tokens: 12 leaves 18 > 2 windows
+    assert window_start(longer, window, store) == 22
+    store.store(longer[15:], *_sequence(longer[15:]))  # a stored start off the grid is never chosen
+    assert window_start(longer, window, store) == 22
+    store.store(longer[14:], *_sequence(longer[14:]))  # on the grid and within two windows: nothing to compute
+    assert window_start(longer, window, store) == 14
+
+
+def test_a_windowed_draft_with_prefix_reuse_prefills_only_the_new_turn_and_emits_the_same_tokens(panel_target):
+    plain = SpeculativeDecoder(panel_target)
+    drafter = DraftModel(noisy_copy(tiny_target(), noise=0.05), context_window=16, prefix_cache=PrefixCache(64 << 20))
+    decoder = SpeculativeDecoder(panel_target, drafter, gamma=4, prefix_cache=PrefixCache(64 << 20))
+    prompt = list(range(10, 40))  # 30 tokens: the draft starts at 16 (a grid of 4)
+    first = decoder.generate(prompt, max_new_tokens=8, stop=[])
+    turn = prompt + first.token_ids + [12, 13]  # 40 tokens: its own window would start at 24
+    reused_before = drafter.prefix_cache.stats.reused_tokens
+    second = decoder.generate(turn, max_new_tokens=8, stop=[])
+    assert first.token_ids == plain.generate(prompt, max_new_tokens=8, stop=[]).token_ids
+    assert second.token_ids == plain.generate(turn, max_new_tokens=8, stop=[]).token_ids
+    assert window_start(turn, 16, drafter.prefix_cache) == 16
+    # the draft restored the first turn's text from 16 on (its prompt part at least; the answer as far
+    # as the draft had fed it). Starting at 24 instead, it would have found nothing stored.
+    assert drafter.prefix_cache.stats.reused_tokens - reused_before >= len(prompt) - 16
+
+
 def test_an_abandoned_stream_leaves_a_consistent_sequence(panel_target):
     decoder = _decoders(panel_target, 64)
     prompt = list(range(20, 50))
@@ -313,8 +350,17 @@ def test_a_served_conversation_starts_each_turn_from_the_earlier_ones(tmp_path):
 
     result, metrics = served(64)
     assert result.requests == 6 and result.median_followup_ttft_s is not None and "turns 2+" in format_table([result])
+    assert len(result.median_ttft_by_turn) == 3
+    assert f"concurrency 2, median TTFT (s) by turn: 1: {result.median_ttft_by_turn[0]:.2f}, 2: " in format_table([result])
     # Later turns restore the earlier turns (up to where the answer's text re-tokenizes differently).
     assert metrics["verispec_reused_prompt_tokens_total"] > 0.3 * metrics["verispec_prompt_tokens_total"]
     _, without = served(0)
     # The same conversations (later prompts hold the answers: equal totals, equal answers' lengths), nothing reused.
     assert without["verispec_reused_prompt_tokens_total"] == 0 and without["verispec_prompt_tokens_total"] == metrics["verispec_prompt_tokens_total"]
+
+
+def test_a_conversation_load_test_reports_the_median_time_to_first_token_of_each_turn():
+    from verispec.serving.loadtest import RequestTiming, _median_ttft_by_turn
+
+    timings = [RequestTiming(9.0, ttft, 10, turn=turn) for turn, ttft in [(1, 4.0), (2, 1.0), (1, 2.0), (2, 3.0), (1, 9.0), (3, 0.5), (2, 2.5)]]
+    assert _median_ttft_by_turn(timings) == (4.0, 2.5, 0.5)

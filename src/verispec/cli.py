@@ -308,7 +308,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     loadtest.add_argument("--concurrency", default="1,4,8,16,32", help="comma list of concurrent clients (default 1,4,8,16,32)")
     loadtest.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
     loadtest.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn (default 2)")
-    loadtest.add_argument("--conversation", action="store_true", help="each client's requests are the turns of one chat: a HumanEval prompt, then the whole conversation so far plus a follow-up request; also reports the median time to first token of turns 2+ (what the server's --prefix-cache-mb saves)")
+    loadtest.add_argument("--conversation", action="store_true", help="each client's requests are the turns of one chat: a HumanEval prompt, then the whole conversation so far plus a follow-up request; also reports the median time to first token of turns 2+ (what the server's --prefix-cache-mb saves) and of each turn")
     loadtest.add_argument("--api-key", default=None)
     loadtest.set_defaults(handler=_loadtest)
 

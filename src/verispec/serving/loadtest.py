@@ -47,6 +47,7 @@ class LevelResult:
     median_ttft_s: float
     requests: int
     median_followup_ttft_s: float | None = None  # conversations: turns 2+ only
+    median_ttft_by_turn: tuple[float, ...] = ()  # conversations: turn 1, 2, ... (a window or a cache shows where turns grow long)
 
 
 async def _one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int, turn: int = 1) -> RequestTiming:
@@ -104,7 +105,14 @@ async def run_level(
         median_ttft_s=statistics.median(t.ttft_s for t in timings),
         requests=len(timings),
         median_followup_ttft_s=statistics.median(later) if (later := [t.ttft_s for t in timings if t.turn > 1]) else None,
+        median_ttft_by_turn=_median_ttft_by_turn(timings) if conversation else (),
     )
+
+
+def _median_ttft_by_turn(timings: list[RequestTiming]) -> tuple[float, ...]:
+    """Median time to first token of each turn number, 1 first."""
+    turns = range(1, max(t.turn for t in timings) + 1)
+    return tuple(statistics.median(t.ttft_s for t in timings if t.turn == turn) for turn in turns)
 
 
 async def served_model(url: str, api_key: str | None) -> str:
@@ -124,4 +132,8 @@ def format_table(results: list[LevelResult]) -> str:
         if followups:
             line += " - |" if r.median_followup_ttft_s is None else f" {r.median_followup_ttft_s:.2f} |"
         lines.append(line)
+    for r in results:
+        if r.median_ttft_by_turn:
+            by_turn = ", ".join(f"{turn}: {ttft:.2f}" for turn, ttft in enumerate(r.median_ttft_by_turn, 1))
+            lines.append(f"concurrency {r.concurrency}, median TTFT (s) by turn: {by_turn}")
     return "\n".join(lines)
