@@ -8,9 +8,9 @@ from scheduling import serve_all
 from tiny_models import noisy_copy, tiny_target
 
 from verispec import DraftModel, SamplingParams, SpeculativeDecoder
+from verispec.drafters.draft_model import window_start
 from verispec.engine.kv_cache import LayerKVCache, RowLog
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, target_lm
-from verispec.drafters.draft_model import window_start
 from verispec.engine.prefix_cache import PrefixCache, prefix_cache_of_mb
 from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.serving import BatchGammaPolicy, Scheduler, SchedulerConfig

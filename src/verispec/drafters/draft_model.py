@@ -197,9 +197,10 @@ def window_start(prompt_ids: list[int], context_window: int | None, prefixes: Pr
     step = max(1, context_window // WINDOW_STEPS)
     newest = -(-latest // step) * step  # the first grid start at or after latest: at most a window to see
     oldest = max(0, latest - context_window)  # at most two windows to see
-    candidates = range(newest, oldest - 1, -step)
-    to_compute = {start: len(prompt_ids) - start - prefixes.longest_match(prompt_ids[start:]) for start in candidates}
-    return min(candidates, key=lambda start: (to_compute[start], -start))
+    def to_compute(start: int) -> int:  # the draft's text from start, less what its cache restores
+        return len(prompt_ids) - start - prefixes.longest_match(prompt_ids[start:])
+
+    return min(range(newest, oldest - 1, -step), key=lambda start: (to_compute(start), -start))
 
 
 def round_stops(token_prob: float, path_prob: float, confidence_threshold: float | None, path_confidence: float | None) -> bool:
