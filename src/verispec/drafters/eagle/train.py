@@ -92,9 +92,9 @@ class _Objective:
     """Loss of the head on one sequence, against the frozen target embedding and LM-head rows."""
 
     def __init__(self, head: EagleHead, embed: torch.nn.Module, head_rows: torch.Tensor, settings: TrainSettings) -> None:
-        self.head, self.embed, self.head_rows, self.settings = head, embed, head_rows, settings
+        self.head, self.embed, self.settings = head, embed, settings
         # Cast once: autocast would re-cast these frozen rows (no grad, so not in its cache) at every product.
-        self.product_rows = head_rows.to(torch.bfloat16) if settings.precision == "bfloat16" else head_rows
+        self.head_rows = head_rows.to(torch.bfloat16) if settings.precision == "bfloat16" else head_rows
 
     def __call__(self, tokens: torch.Tensor, features: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, dict]:
         # tokens: [n] int64, features: [n, hidden] (bfloat16 on disk)
@@ -111,7 +111,7 @@ class _Objective:
         # tokens: [n]; inputs, targets: [n-1, hidden] float32 (f_i with noise, f_{i+1})
         with torch.no_grad():
             next_embeds = self.embed(tokens[1:]).float()  # embed(x_{i+1})
-            target_logits = F.linear(targets, self.product_rows).float()  # [n-1, draft_vocab]
+            target_logits = F.linear(targets, self.head_rows).float()  # [n-1, draft_vocab]
             target_probs = torch.softmax(target_logits, -1)
         steps = min(self.settings.unroll_steps, len(targets))  # step s has rows s-1.. only
         if steps == 1:
@@ -122,7 +122,7 @@ class _Objective:
         for step, predicted in enumerate(predictions):
             predicted = predicted[0, step:].float()  # rows with a drafting counterpart at this step
             regression = F.smooth_l1_loss(predicted, targets[step:])
-            draft_log_probs = torch.log_softmax(F.linear(predicted, self.product_rows).float(), -1)
+            draft_log_probs = torch.log_softmax(F.linear(predicted, self.head_rows).float(), -1)
             classification = -(target_probs[step:] * draft_log_probs).sum(-1).mean()
             loss = loss + (regression + self.settings.ce_weight * classification) / steps
             # max().indices: the same top-1 as argmax, twice as fast over [n, 32768] here
