@@ -241,7 +241,7 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert "600 tokens" in capsys.readouterr().err
     assert main(["eagle", "answers", *common, "--answer-tokens", "60", "--answer-batch", "2", "--answer-max-new-tokens", "8", "--max-seq-len", "200"]) == 0
     assert "60 tokens of answers" in capsys.readouterr().err
-    train = ["--epochs", "1", "--tokens-per-step", "200", "--intermediate-size", "16", "--draft-vocab", "50"]
+    train = ["--epochs", "1", "--tokens-per-step", "200", "--intermediate-size", "16", "--draft-vocab", "50", "--ce-weight", "0.5"]
     assert main(["eagle", "train", *common, *train]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["steps"] >= 2 and "head.safetensors" in err
@@ -250,9 +250,23 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     from verispec.drafters.eagle.train import default_precision
 
     with safe_open(err.split("head -> ")[1].strip(), "pt") as handle:  # --precision auto resolved to what this CPU does best
-        assert json.loads(handle.metadata()["training"])["precision"] == default_precision()
+        training = json.loads(handle.metadata()["training"])
+    assert training["precision"] == default_precision() and training["ce_weight"] == 0.5
     assert main(["eagle", "eval", *common, "--num-prompts", "1", "--max-new-tokens", "6", "--gamma", "3"]) == 0
     assert "tau" in capsys.readouterr().out
+    # The replay's plumbing (prompts, rounds, report) matches decoding; its exactness with accepted drafts is tested in test_eagle.
+    evaluate = ["eagle", "eval", *common, "--first-prompt", "3", "--num-prompts", "2", "--max-new-tokens", "12", "--gamma", "3"]
+    assert main(evaluate) == 0
+    decoded = capsys.readouterr().out
+    assert main([*evaluate, "--teacher-forced"]) == 0
+    replayed = capsys.readouterr().out
+    assert "replayed" in replayed and replayed.splitlines()[1:] == decoded.splitlines()[1:]
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": category, "turns": [f"question {i}"]}) + "\n" for i, category in enumerate(["math", "math", "coding"])))
+    assert main(["eagle", "eval", *common, "--set", "spec-bench", "--spec-bench", str(questions), "--num-prompts", "1", "--max-new-tokens", "6", "--teacher-forced"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["math", "coding", "all"] and "1 prompts" in lines[1]
+    assert main([*evaluate, "--teacher-forced", "--draft-quantize", "int8"]) == 2  # the replay is of the head as trained
     # The default head path is where `eagle train` put it; generate and costs find it there.
     assert main(["generate", *common, "--drafter", "eagle", "--max-new-tokens", "8", "hello"]) == 0
     assert "8 tokens" in capsys.readouterr().err

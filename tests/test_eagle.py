@@ -156,13 +156,31 @@ def test_int8_head_is_a_quantised_copy_and_stays_exact(target):
     head = fresh_head(target)
     drafter = EagleDrafter(target, head, draft_vocab=torch.arange(0, VOCAB, 2), quantize=True)
     assert type(head.fc) is torch.nn.Linear  # the caller's head is untouched
-    assert "quantized" in type(drafter.head.fc).__module__ and "quantized" in type(drafter._lm_head).__module__
+    assert "quantized" in type(drafter.head.q_proj).__module__ and "quantized" in type(drafter._lm_head).__module__
+    assert type(drafter.head.fc) is torch.nn.Linear and drafter.head.fc is not head.fc  # float32, see the next test
     decoder = SpeculativeDecoder(target, drafter, gamma=4)
     prompt = [9, 8, 7, 6]
     result = decoder.generate(prompt, 25, stop=[])
     assert result.token_ids == SpeculativeDecoder(target).generate(prompt, 25, stop=[]).token_ids
     sampled = decoder.generate(prompt, 25, SamplingParams(temperature=1.0, seed=2), stop=[])
     assert len(sampled.token_ids) == 25
+
+
+def test_int8_head_still_sees_the_token_one_step_ahead_beside_outlier_features(target):
+    # Real targets' features have a few dimensions 10-20x the rest, and token embeddings are ~100x
+    # smaller than features: an int8 linear over concat(embedding, feature), one activation scale per
+    # call, would round the embedding to zero and make the head blind to the next token.
+    head = fresh_head(target)
+    quantized = EagleDrafter(target, head, quantize=True).head
+    hidden = head.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 6, hidden, generator=generator)
+    features[..., 0] = 40.0  # an outlier dimension
+    embeds = [0.02 * torch.randn(1, 6, hidden, generator=generator) for _ in range(2)]
+    change = [model(features, embeds[1]) - model(features, embeds[0]) for model in (head, quantized)]  # [1, 6, hidden] each
+    # cosine 0.90 here (the other int8 layers add their rounding); 0.0 with fc in int8
+    similarity = torch.nn.functional.cosine_similarity(change[0].flatten(), change[1].flatten(), dim=0)
+    assert similarity > 0.8, f"the int8 head's response to the next token's embedding is off (cosine {similarity:.3f})"
 
 
 def test_features_come_from_the_verification_passes_without_extra_target_calls(target):
@@ -385,3 +403,63 @@ def test_bfloat16_training_computes_the_same_objective_and_learns(target, tmp_pa
     assert default_precision() in PRECISIONS
     with pytest.raises(ValueError, match="precision"):
         TrainSettings(precision="float16")
+
+
+# --- greedy acceptance replayed on recorded answers ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_head(target, tmp_path_factory):
+    """A head trained on the tiny target's own greedy answers: it accepts some drafts, not all."""
+    from verispec.drafters.eagle.extract import record_answers
+
+    folder = tmp_path_factory.mktemp("replay")
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    requests = [(f"r{i}", " ".join(f"w{(7 * i + k) % VOCAB}" for k in range(3 + i % 4))) for i in range(24)]
+    record_answers(loaded, requests, folder / "answers", ExtractSettings(max_tokens=10_000), batch_size=8, max_new_tokens=40, progress=False)
+    settings = TrainSettings(epochs=20, lr=3e-3, warmup_steps=2, tokens_per_step=200, intermediate_size=32, draft_vocab=0, checkpoint_every=1000, validation_fraction=0.1, noise=0.0)
+    train_head(target, folder / "answers", folder / "head.safetensors", settings, progress=False)
+    head, _ = load_head(folder / "head.safetensors", target)
+    return head
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_head, gamma):
+    from verispec.drafters.eagle.acceptance import accepted_from_every_start, replay_rounds
+
+    lm_head = target.get_output_embeddings().weight
+    decoder = SpeculativeDecoder(target, EagleDrafter(target, trained_head), gamma=gamma)
+    all_accepted = []
+    for prompt in ([5, 6, 7], [40, 41, 42, 43, 44], [90, 3]):
+        result = decoder.generate(prompt, 40, stop=[])
+        text = torch.tensor(prompt + result.token_ids[:-1])  # the last token is emitted, never fed
+        with torch.no_grad():
+            features = target.model(text[None]).last_hidden_state[0]  # what the verification passes computed
+        from_every_start = accepted_from_every_start(trained_head, target.get_input_embeddings(), lm_head, None, text, features, gamma)
+        rounds = replay_rounds(from_every_start, len(prompt) - 2, len(prompt) + len(result.token_ids), gamma)
+        assert rounds == list(zip(result.stats.drafted_per_round, result.stats.accepted_per_round))
+        all_accepted += [accepted for _, accepted in rounds]
+    assert 0 in all_accepted and max(all_accepted) >= min(gamma, 2)  # the replay saw rejections and accepted runs
+
+
+def test_replay_counts_only_drafts_the_target_would_choose(target, trained_head):
+    from verispec.drafters.eagle.acceptance import accepted_from_every_start
+
+    lm_head = target.get_output_embeddings().weight
+    text = torch.tensor([5, 6, 7] + SpeculativeDecoder(target).generate([5, 6, 7], 30, stop=[]).token_ids[:-1])
+    with torch.no_grad():
+        features = target.model(text[None]).last_hidden_state[0]
+    embed = target.get_input_embeddings()
+    accepted = accepted_from_every_start(trained_head, embed, lm_head, None, text, features, 4)
+    assert accepted.shape == (len(text) - 2,) and int(accepted.max()) >= 1
+    # Text the target would not write (each answer token replaced) accepts nothing after the prompt.
+    other = text.clone()
+    other[3:] = (other[3:] + 1) % VOCAB
+    with torch.no_grad():
+        other_features = target.model(other[None]).last_hidden_state[0]
+    assert int(accepted_from_every_start(trained_head, embed, lm_head, None, other, other_features, 4)[1:].max()) == 0
+    # A reduced draft vocabulary needs the full LM head for the target's choice.
+    with pytest.raises(ValueError, match="full_lm_head"):
+        accepted_from_every_start(trained_head, embed, lm_head[:10], torch.arange(10), text, features, 4)
+    with pytest.raises(ValueError, match="gamma"):
+        accepted_from_every_start(trained_head, embed, lm_head, None, text, features, 0)

@@ -12,6 +12,7 @@ from verispec.argtypes import positive_int
 
 
 def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
+    from verispec.bench.prompts import DEFAULT_SPEC_BENCH
     from verispec.models import DEFAULT_TARGET
 
     eagle = commands.add_parser("eagle", help="EAGLE draft head: extract target features, train, evaluate")
@@ -49,6 +50,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--tokens-per-step", type=int, default=defaults.tokens_per_step, help=f"positions per optimiser step (default {defaults.tokens_per_step})")
         sub.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size, help=f"the head's MLP width (default {defaults.intermediate_size})")
         sub.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab, help=f"draft vocabulary: the N most frequent corpus tokens, 0 = full (default {defaults.draft_vocab})")
+        sub.add_argument("--ce-weight", type=float, default=defaults.ce_weight, help=f"weight of the cross-entropy against the target's next-token distribution beside the feature regression (default {defaults.ce_weight})")
         sub.add_argument("--noise", type=float, default=defaults.noise, help=f"input-feature noise, relative to their rms (default {defaults.noise})")
         sub.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data order (default 0)")
         sub.add_argument("--unroll-steps", type=int, default=defaults.unroll_steps, help=f"drafting steps trained on: S > 1 also trains steps 2..S on the head's own predicted features, as drafting feeds them (training-time test; each step costs about one more pass; default {defaults.unroll_steps})")
@@ -60,7 +62,11 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
 
     def eval_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--head", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/head.safetensors)")
-        sub.add_argument("--num-prompts", type=int, default=8, help="HumanEval prompts (default 8)")
+        sub.add_argument("--set", choices=["humaneval", "spec-bench"], default="humaneval", help="prompts: HumanEval problems (default) or Spec-Bench questions, with a line per category")
+        sub.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
+        sub.add_argument("--num-prompts", type=int, default=8, help="HumanEval prompts, or prompts per Spec-Bench category (default 8)")
+        sub.add_argument("--first-prompt", type=int, default=0, help="index of the first HumanEval problem (default 0, as the bench; e.g. 100 for a dev range the bench never runs)")
+        sub.add_argument("--teacher-forced", action="store_true", help="instead of decoding each prompt with drafts, record the target's greedy answers in batches and replay greedy decoding on them (exact greedy tau and acceptance by position; minutes faster, no timing)")
         sub.add_argument("--gamma", type=int, default=6, help="drafts per round (default 6)")
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
         sub.add_argument("--draft-quantize", choices=["int8", "none"], default="none", help="int8: the head with int8 linears (default none)")
@@ -73,7 +79,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         ("answers", "record the target's own answers to stdlib coding requests with their features; resumable", _answers, (dtype_option, sequence_options, answer_options)),
         ("train", "train a head on extracted features (SmoothL1 + 0.1 CE, cosine LR); resumable from its checkpoint", _train, (train_inputs, train_options)),
         ("build", "extract + answers + train with the defaults: the head `--drafter eagle` uses (~2 h for the built-in target)", _build, (dtype_option, sequence_options, extract_options, answer_options, train_options)),
-        ("eval", "tau and alpha of a head on held-back prompts (HumanEval, never in the training corpus)", _eval, (dtype_option, eval_options)),
+        ("eval", "tau and alpha of a head on held-back prompts (HumanEval, never in the training corpus); --teacher-forced replays greedy decoding on recorded answers, minutes faster", _eval, (dtype_option, eval_options)),
     )  # fmt: skip
     for name, help_text, handler, option_groups in steps_table:
         sub = steps.add_parser(name, help=help_text)
@@ -126,7 +132,7 @@ def _train_settings(args: argparse.Namespace):  # noqa: ANN202
         raise FileNotFoundError(f"--init-from: EAGLE head {str(args.init_from)!r} does not exist")
     return TrainSettings(
         epochs=args.epochs, lr=args.lr, tokens_per_step=args.tokens_per_step, intermediate_size=args.intermediate_size,
-        draft_vocab=args.draft_vocab, noise=args.noise, seed=args.seed, unroll_steps=args.unroll_steps,
+        draft_vocab=args.draft_vocab, noise=args.noise, ce_weight=args.ce_weight, seed=args.seed, unroll_steps=args.unroll_steps,
         init_from=str(args.init_from) if args.init_from is not None else "",
         precision=default_precision() if args.precision == "auto" else args.precision,
     )  # fmt: skip
@@ -204,34 +210,94 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from verispec.bench.prompts import humaneval_prompts
-    from verispec.drafters.eagle import EagleDrafter
-    from verispec.engine import SpeculativeDecoder
+    from verispec.drafters.eagle import existing_head_path
     from verispec.engine.stats import acceptance_by_position
-    from verispec.models import encode_prompt
+    from verispec.far_memory_cli import far_memory_from_args
 
     if args.num_prompts < 1 or args.gamma < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --gamma and --max-new-tokens must be >= 1")
-    from verispec.far_memory_cli import far_memory_from_args
-
+    if args.first_prompt < 0:
+        raise ValueError(f"--first-prompt must be >= 0, got {args.first_prompt}")
+    if args.teacher_forced and (args.draft_quantize != "none" or args.draft_attention != "full"):
+        raise ValueError("--teacher-forced replays the head as trained: use it without --draft-quantize int8 or far-memory attention")
     far_memory = far_memory_from_args(args)  # before minutes of loading
-    from verispec.drafters.eagle import existing_head_path
-
+    prompts = _eval_prompts(args)
     head_path = existing_head_path(args.head, args.target, args.cache_dir)
     target = _setup(args)
+    texts = [prompt.text for prompt in prompts]
+    if args.teacher_forced:
+        rounds = _replayed_rounds(args, target, head_path, texts)
+    else:
+        rounds = _decoded_rounds(args, target, head_path, texts, far_memory)
+    how = "replayed greedy decoding" if args.teacher_forced else "decoded"
+    print(f"{head_path.name}, gamma {args.gamma}, {args.max_new_tokens} new tokens, {how}:")
+    categories = sorted({prompt.category for prompt in prompts}, key=[prompt.category for prompt in prompts].index)
+    for category in [*categories, "all"] if len(categories) > 1 else categories:
+        pooled = [pair for prompt, pairs in zip(prompts, rounds) if category in ("all", prompt.category) for pair in pairs]
+        drafted, accepted = [d for d, _ in pooled], [a for _, a in pooled]
+        tau = (sum(accepted) + len(accepted)) / max(1, len(accepted))  # tokens per target call, the bonus included
+        alpha = sum(accepted) / max(1, sum(drafted))
+        count = sum(1 for prompt in prompts if category in ("all", prompt.category))
+        by_position = ", ".join(f"{rate:.2f}" for rate in acceptance_by_position(drafted, accepted))
+        print(f"  {category:<14} {count:>3} prompts  tau {tau:.2f}  alpha {alpha:.3f}  acceptance by draft position: {by_position}")
+    return 0
+
+
+def _eval_prompts(args: argparse.Namespace) -> list:
+    """HumanEval problems first_prompt.. (num_prompts of them), or the first num_prompts of each Spec-Bench category."""
+    from verispec.bench.prompts import first_per_category, humaneval_prompts, spec_bench_prompts
+
+    if args.set == "spec-bench":
+        if args.first_prompt:
+            raise ValueError("--first-prompt applies to --set humaneval; Spec-Bench takes the first --num-prompts of each category")
+        return first_per_category(spec_bench_prompts(args.spec_bench), args.num_prompts)
+    prompts = humaneval_prompts(args.first_prompt + args.num_prompts)[args.first_prompt :]
+    if not prompts:
+        raise ValueError(f"--first-prompt {args.first_prompt} is past HumanEval's last problem")
+    return prompts
+
+
+def _decoded_rounds(args: argparse.Namespace, target, head_path: Path, texts: list[str], far_memory) -> list[list[tuple[int, int]]]:  # noqa: ANN001
+    """(drafted, accepted) of each round of real speculative decoding, per text."""
+    from tqdm import tqdm
+
+    from verispec.drafters.eagle import EagleDrafter
+    from verispec.engine import SpeculativeDecoder
+    from verispec.models import encode_prompt
+
     drafter = EagleDrafter(target, head_path, quantize=args.draft_quantize == "int8", far_memory=far_memory)
     decoder = SpeculativeDecoder(target, drafter, gamma=args.gamma)
-    drafted, accepted, calls, emitted = [], [], 0, 0
-    for prompt in tqdm(humaneval_prompts(args.num_prompts), desc="eval", unit="prompt", file=sys.stderr):
-        result = decoder.generate(encode_prompt(target.tokenizer, prompt.text), args.max_new_tokens)
-        drafted += result.stats.drafted_per_round
-        accepted += result.stats.accepted_per_round
-        calls += result.stats.target_calls
-        emitted += result.stats.new_tokens
-    alpha = sum(accepted) / max(1, sum(drafted))
-    by_position = acceptance_by_position(drafted, accepted)
-    print(f"{head_path.name} on {args.num_prompts} HumanEval prompts, gamma {args.gamma}: tau {emitted / max(1, calls):.2f}, alpha {alpha:.3f}")
-    print("acceptance by draft position: " + ", ".join(f"{rate:.2f}" for rate in by_position))
-    return 0
+    rounds = []
+    for text in tqdm(texts, desc="eval", unit="prompt", file=sys.stderr):
+        stats = decoder.generate(encode_prompt(target.tokenizer, text), args.max_new_tokens).stats
+        rounds.append(list(zip(stats.drafted_per_round, stats.accepted_per_round)))
+    return rounds
+
+
+def _replayed_rounds(args: argparse.Namespace, target, head_path: Path, texts: list[str]) -> list[list[tuple[int, int]]]:  # noqa: ANN001
+    """(drafted, accepted) of each round greedy decoding would run, replayed on the target's recorded answers, per text."""
+    import torch
+    from tqdm import tqdm
+
+    from verispec.drafters.eagle import load_head
+    from verispec.drafters.eagle.acceptance import accepted_from_every_start, replay_rounds
+    from verispec.drafters.eagle.answers import greedy_answers
+    from verispec.engine import SpeculativeDecoder
+    from verispec.models import encode_prompt
+
+    model, tokenizer = target.model, target.tokenizer
+    head, vocab_ids = load_head(head_path, model)
+    lm_weight = model.get_output_embeddings().weight.detach()
+    lm_rows = lm_weight[vocab_ids] if vocab_ids is not None else lm_weight
+    stop_ids = {tokenizer.eos_token_id, *SpeculativeDecoder(model).default_stop()} - {None}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
+    batch = 16  # answers written together: ~8x faster a token than one at a time here
+    rounds = []
+    for begin in tqdm(range(0, len(texts), batch), desc="record + replay", unit="batch", file=sys.stderr):
+        prompts = [encode_prompt(tokenizer, text) for text in texts[begin : begin + batch]]
+        for prompt, (tokens, features) in zip(prompts, greedy_answers(model, prompts, args.max_new_tokens, stop_ids, pad_id)):
+            tokens = torch.tensor(tokens)
+            from_every_start = accepted_from_every_start(head, model.get_input_embeddings(), lm_rows, vocab_ids, tokens, features, args.gamma, full_lm_head=lm_weight)
+            # the recorded answer leaves out its last token (emitted, never fed): the sequence is one longer
+            rounds.append(replay_rounds(from_every_start, len(prompt) - 2, len(tokens) + 1, args.gamma))
+    return rounds

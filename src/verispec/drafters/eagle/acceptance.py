@@ -1,0 +1,95 @@
+"""Greedy acceptance of an EAGLE head on recorded text, without decoding it.
+
+In greedy decoding a round that starts after committed tokens x_0..x_{r+1} (target features
+f_0..f_r) accepts draft k iff drafts 1..k-1 were accepted and draft k equals the target's argmax
+at that position. While drafts are accepted they ARE the text's tokens, so the drafts a cached
+drafting round would make are exactly the head's unrolled steps on the text
+(:meth:`EagleHead.unrolled`): draft k of the round starting at row r is step k's prediction at
+row r+k-1. One unrolled pass over a sequence therefore gives the number of accepted drafts of a
+round starting at every position at once:
+
+    accepted(r) = max { k <= gamma : for all j <= k,  draft_j(r) = x_{r+j+1} = argmax W f_{r+j} }
+
+(requiring x_{r+j+1} to be the target's own choice keeps this exact on text the target did not
+write; on the target's greedy answers it always is). :func:`replay_rounds` then replays the
+rounds greedy decoding would run from the start of an answer: each round emits accepted + 1
+tokens (the bonus included), exactly the engine's tokens per target call, in seconds instead of
+minutes per prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from verispec.drafters.eagle.head import EagleHead
+
+
+@torch.no_grad()
+def accepted_from_every_start(
+    head: EagleHead,
+    embed: torch.nn.Module,  # the target's input embedding
+    lm_rows: torch.Tensor,  # [draft_vocab or vocab, hidden]: the LM-head rows the head drafts over
+    vocab_ids: torch.Tensor | None,  # [draft_vocab] token id of each row; None: rows are the whole vocabulary
+    tokens: torch.Tensor,  # [n] int64: the text x_0..x_{n-1}
+    features: torch.Tensor,  # [n, hidden]: the target's features f_0..f_{n-1} on that text
+    gamma: int,
+    full_lm_head: torch.Tensor | None = None,  # [vocab, hidden]: the target's argmax; default lm_rows (vocab_ids None)
+) -> torch.Tensor:
+    """Drafts accepted (0..gamma) by a greedy round whose catch-up ends at row r, for r = 0..n-3 # [n-2]."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    if tokens.ndim != 1 or features.ndim != 2 or len(tokens) != len(features):
+        raise ValueError(f"tokens # [n] and features # [n, hidden] must have the same length, got {tuple(tokens.shape)} and {tuple(features.shape)}")
+    num_tokens = len(tokens)
+    if num_tokens < 3:
+        return torch.zeros(0, dtype=torch.long)
+    if full_lm_head is None:
+        if vocab_ids is not None:
+            raise ValueError("full_lm_head is needed to find the target's argmax when the head drafts over a reduced vocabulary")
+        full_lm_head = lm_rows
+    features = features.float()
+    steps = head.unrolled(features[None, :-1], embed(tokens[None, 1:]).float(), min(gamma, num_tokens - 2))
+    # the target's choice for x_{i+1} (read at f_i), and whether the text took it
+    target_choice = F.linear(features, full_lm_head.float()).argmax(-1)  # [n]
+    text_is_target = torch.zeros(num_tokens + gamma, dtype=torch.bool)  # padded: positions past the end never match
+    text_is_target[1:num_tokens] = tokens[1:] == target_choice[:-1]  # at index t: x_t is the target's choice
+    padded_tokens = torch.cat((tokens, torch.full((gamma,), -1, dtype=tokens.dtype)))
+    num_starts = num_tokens - 2
+    starts = torch.arange(num_starts)
+    matches = torch.zeros(num_starts, gamma, dtype=torch.bool)
+    for step, predicted in enumerate(steps):  # step k = step+1 predicts x_{r+k+1} at row r+k-1
+        index = predicted[0].float() @ lm_rows.float().T  # [n-1, rows]
+        drafts = index.argmax(-1)
+        drafts = vocab_ids[drafts] if vocab_ids is not None else drafts  # [n-1] token of row i's step
+        rows = starts + step  # row r+k-1
+        valid = rows < num_tokens - 1
+        drafted = torch.full((num_starts,), -2, dtype=torch.long)
+        drafted[valid] = drafts[rows[valid]]
+        position = starts + step + 2  # the drafted token's position r+k+1
+        matches[:, step] = (drafted == padded_tokens[position]) & text_is_target[position]
+    return matches.long().cumprod(dim=1).sum(dim=1)
+
+
+def replay_rounds(accepted: torch.Tensor, first_row: int, num_tokens: int, gamma: int) -> list[tuple[int, int]]:
+    """(drafted, accepted) of each round greedy decoding runs over a recorded answer; a round
+    emits accepted + 1 tokens (the bonus included), so tau = sum(accepted + 1) / rounds.
+
+    accepted # [n-2]: :func:`accepted_from_every_start` of the text x_0..x_{n-1} that was fed to
+    the target; ``num_tokens``: the decoded sequence's length, n + 1 (its last token is emitted,
+    never fed: the recorded answers of :func:`greedy_answers` leave it out); ``first_row``: the
+    catch-up row of the first round, the prompt's length minus 2 (the engine prefills all of the
+    prompt but its last token, which the first round feeds with the drafts of the answer's first
+    tokens). Like the engine, a round never
+    drafts what it could not emit before the text's end.
+    """
+    if not 0 <= first_row:
+        raise ValueError(f"first_row must be >= 0, got {first_row}")
+    rounds = []
+    row = first_row
+    while row + 2 < num_tokens:  # a round emits x_{row+2} at least
+        num_drafted = min(gamma, num_tokens - row - 3)  # leave room for the token verification adds
+        num_accepted = min(int(accepted[row]), num_drafted) if num_drafted else 0
+        rounds.append((num_drafted, num_accepted))
+        row += num_accepted + 1
+    return rounds
