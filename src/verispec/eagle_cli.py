@@ -231,7 +231,7 @@ def _eval(args: argparse.Namespace) -> int:
         rounds = _decoded_rounds(args, target, head_path, texts, far_memory)
     how = "replayed greedy decoding" if args.teacher_forced else "decoded"
     print(f"{head_path.name}, gamma {args.gamma}, {args.max_new_tokens} new tokens, {how}:")
-    categories = sorted({prompt.category for prompt in prompts}, key=[prompt.category for prompt in prompts].index)
+    categories = list(dict.fromkeys(prompt.category for prompt in prompts))  # in the order of the prompts
     for category in [*categories, "all"] if len(categories) > 1 else categories:
         pooled = [pair for prompt, pairs in zip(prompts, rounds) if category in ("all", prompt.category) for pair in pairs]
         drafted, accepted = [d for d, _ in pooled], [a for _, a in pooled]
@@ -281,23 +281,22 @@ def _replayed_rounds(args: argparse.Namespace, target, head_path: Path, texts: l
 
     from verispec.drafters.eagle import load_head
     from verispec.drafters.eagle.acceptance import accepted_from_every_start, replay_rounds
-    from verispec.drafters.eagle.answers import greedy_answers
-    from verispec.engine import SpeculativeDecoder
+    from verispec.drafters.eagle.answers import greedy_answers, stop_and_pad_ids
     from verispec.models import encode_prompt
 
     model, tokenizer = target.model, target.tokenizer
     head, vocab_ids = load_head(head_path, model)
-    lm_weight = model.get_output_embeddings().weight.detach()
+    lm_weight = model.get_output_embeddings().weight.detach().float()  # once, not per answer (a bfloat16 target)
     lm_rows = lm_weight[vocab_ids] if vocab_ids is not None else lm_weight
-    stop_ids = {tokenizer.eos_token_id, *SpeculativeDecoder(model).default_stop()} - {None}
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
+    embed = model.get_input_embeddings()
+    stop_ids, pad_id = stop_and_pad_ids(target)
     batch = 16  # answers written together: ~8x faster a token than one at a time here
     rounds = []
     for begin in tqdm(range(0, len(texts), batch), desc="record + replay", unit="batch", file=sys.stderr):
         prompts = [encode_prompt(tokenizer, text) for text in texts[begin : begin + batch]]
         for prompt, (tokens, features) in zip(prompts, greedy_answers(model, prompts, args.max_new_tokens, stop_ids, pad_id)):
             tokens = torch.tensor(tokens)
-            from_every_start = accepted_from_every_start(head, model.get_input_embeddings(), lm_rows, vocab_ids, tokens, features, args.gamma, full_lm_head=lm_weight)
+            from_every_start = accepted_from_every_start(head, embed, lm_rows, vocab_ids, tokens, features, args.gamma, full_lm_head=lm_weight)
             # the recorded answer leaves out its last token (emitted, never fed): the sequence is one longer
             rounds.append(replay_rounds(from_every_start, len(prompt) - 2, len(tokens) + 1, args.gamma))
     return rounds

@@ -48,7 +48,7 @@ def accepted_from_every_start(
         if vocab_ids is not None:
             raise ValueError("full_lm_head is needed to find the target's argmax when the head drafts over a reduced vocabulary")
         full_lm_head = lm_rows
-    features = features.float()
+    features, lm_rows = features.float(), lm_rows.float()  # no-ops for float32 inputs
     steps = head.unrolled(features[None, :-1], embed(tokens[None, 1:]).float(), min(gamma, num_tokens - 2))
     # the target's choice for x_{i+1} (read at f_i), and whether the text took it
     target_choice = F.linear(features, full_lm_head.float()).argmax(-1)  # [n]
@@ -59,8 +59,7 @@ def accepted_from_every_start(
     starts = torch.arange(num_starts)
     matches = torch.zeros(num_starts, gamma, dtype=torch.bool)
     for step, predicted in enumerate(steps):  # step k = step+1 predicts x_{r+k+1} at row r+k-1
-        index = predicted[0].float() @ lm_rows.float().T  # [n-1, rows]
-        drafts = index.argmax(-1)
+        drafts = (predicted[0].float() @ lm_rows.T).argmax(-1)  # [n-1] row of each step's draft
         drafts = vocab_ids[drafts] if vocab_ids is not None else drafts  # [n-1] token of row i's step
         rows = starts + step  # row r+k-1
         valid = rows < num_tokens - 1

@@ -21,6 +21,16 @@ from transformers import DynamicCache
 from verispec.engine.cached_lm import cache_argument_name
 
 
+def stop_and_pad_ids(target) -> tuple[set[int], int]:  # noqa: ANN001 - a LoadedModel
+    """(the token ids that end an answer, as the engine reads end of sequence; the id that left-pads a batch)."""
+    from verispec.engine import SpeculativeDecoder
+
+    tokenizer = target.tokenizer
+    stop_ids = {tokenizer.eos_token_id, *SpeculativeDecoder(target.model).default_stop()} - {None}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
+    return stop_ids, pad_id
+
+
 @torch.inference_mode()
 def greedy_answers(
     model,  # noqa: ANN001 - a Hugging Face causal LM

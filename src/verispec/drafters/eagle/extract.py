@@ -82,16 +82,13 @@ def record_answers(
     recorded as the answers are written, so no second pass runs. The batch size is part of the
     corpus identity: resuming counts finished batches.
     """
-    from verispec.drafters.eagle.answers import greedy_answers
+    from verispec.drafters.eagle.answers import greedy_answers, stop_and_pad_ids
     from verispec.models.text import encode_prompt
 
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size} and {max_new_tokens}")
     tokenizer, model = target.tokenizer, target.model
-    from verispec.engine import SpeculativeDecoder
-
-    stop_ids = {tokenizer.eos_token_id, *SpeculativeDecoder(model).default_stop()} - {None}  # the engine's EOS reading
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
+    stop_ids, pad_id = stop_and_pad_ids(target)
     steps = tqdm(total=max_new_tokens, unit="step", desc="batch", leave=False, disable=not progress)
 
     def features_of(batch: list[tuple[str, str]]) -> list[tuple[list[int], torch.Tensor | None]]:
