@@ -256,7 +256,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:dwin=512"], "dwin applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-window", "-1"], "--draft-window must be >= 0"),
-        (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
+        (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive, eagle, eagle-adaptive, ngram+eagle, ngram+eagle-adaptive only"),
         (["--draft-path-confidence", "1"], "--draft-path-confidence must be in"),
         (["--methods", "draft-model:vocab"], "got 'vocab'"),
         (["--methods", "draft-model:confidence=1"], "confidence out of range"),
@@ -266,6 +266,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "ngram:vocab=100"], "vocab applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--set", "spec-bench", "--spec-bench", "/nonexistent/dev.jsonl"], "Spec-Bench file '/nonexistent/dev.jsonl' not found"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--first-prompt", "-1"], "--first-prompt must be >= 0"),
         (["--set", "humaneval,nonsense"], "--set: unknown 'nonsense'"),
         (["--set", "file"], "--set file needs --prompts"),
         (["--categories", "humaneval,poetry"], "--categories: unknown poetry"),
@@ -325,6 +326,9 @@ def test_spec_bench_loading_and_selection(tmp_path):
     assert prompts[0].id == "spec-bench/1" and prompts[0].follow_ups == ("the hello again",)
     assert [p.id for p in first_per_category(prompts, 1)] == ["spec-bench/1", "spec-bench/4", "spec-bench/6"]
     assert first_per_category(prompts, None) == prompts
+    # skip: a dev range past the prompts the default runs use (a category shorter than skip gives none)
+    assert [p.id for p in first_per_category(prompts, 1, skip=1)] == ["spec-bench/2", "spec-bench/5"]
+    assert [p.id for p in first_per_category(prompts, None, skip=2)] == ["spec-bench/3"]
     (tmp_path / "bad.jsonl").write_text('{"question_id": 1, "turns": ["x"]}\n')
     with pytest.raises(ValueError, match="line 1: missing 'category'"):
         spec_bench_prompts(tmp_path / "bad.jsonl")

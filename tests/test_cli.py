@@ -276,6 +276,8 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     plain = capsys.readouterr().out
     assert main([*bf16, "--drafter", "eagle"]) == 0
     assert capsys.readouterr().out == plain
+    assert main([*bf16, "--drafter", "ngram+eagle"]) == 0  # lookup first, the same head otherwise
+    assert capsys.readouterr().out == plain
     assert main(["costs", *common, "--draft", "none", "--context", "8", "--tokens", "1,3", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "eagle, 50 vocab" in out and "eagle int8, 50 vocab" in out and "eagle, full vocab" in out

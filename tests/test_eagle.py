@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerFast
 
 from tiny_models import noisy_copy, tiny_target
 from verispec import SamplingParams, SpeculativeDecoder
-from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, EagleHeadMismatchError, load_head, save_head, target_fingerprint
+from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, EagleHeadMismatchError, default_head_path, existing_head_path, load_head, save_head, target_fingerprint
+from verispec.drafters.eagle.checkpoint import export_head
 from verispec.drafters.eagle.corpus import Document, coding_requests, humaneval_entry_points, stdlib_documents
 from verispec.drafters.eagle.extract import ExtractSettings, extract_features, load_shards
 from verispec.drafters.far_memory import FarMemoryConfig
@@ -22,6 +23,9 @@ from verispec.drafters.eagle.train import TrainSettings, train_head
 from verispec.models import LoadedModel
 
 VOCAB = 96
+# target_fingerprint(load_model(DEFAULT_TARGET)): the built-in target's embedding/LM-head sample, as
+# `verispec eagle` commands print it in a mismatch error; the bundled head must carry it.
+BUILT_IN_TARGET_FINGERPRINT = "16b8381dfd2b800f"
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +139,18 @@ def test_greedy_output_is_token_identical_to_plain(target, gamma):
         assert all(0 <= a <= d <= gamma for d, a in zip(drafted, accepted))
 
 
+def test_path_confidence_ends_rounds_where_the_head_is_unsure_and_stays_exact(target):
+    plain = SpeculativeDecoder(target).generate(list(range(10, 30)), 40, stop=[]).token_ids
+    head = fresh_head(target, seed=2)  # untrained: its drafts are unsure, each well below 0.99
+    unsure = SpeculativeDecoder(target, EagleDrafter(target, head, path_confidence=0.99), gamma=5).generate(list(range(10, 30)), 40, stop=[])
+    assert unsure.token_ids == plain
+    assert set(unsure.stats.drafted_per_round[:-1]) == {1}  # the first draft always, then the stop
+    always = SpeculativeDecoder(target, EagleDrafter(target, head, path_confidence=0.0), gamma=5).generate(list(range(10, 30)), 40, stop=[])
+    assert always.token_ids == plain and max(always.stats.drafted_per_round) == 5  # 0 = off
+    with pytest.raises(ValueError, match="path_confidence"):
+        EagleDrafter(target, head, path_confidence=1.0)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_other_families_get_a_head_of_their_shape(family):
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -243,6 +259,60 @@ def test_checkpoint_round_trip_and_refusals(target, tmp_path):
         load_head(tmp_path / "not-a-head.safetensors", target)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_head(tmp_path / "missing.safetensors", target)
+
+
+
+def test_bfloat16_export_halves_the_file_and_loads_as_the_rounded_head(target, tmp_path):
+    head = fresh_head(target)
+    path = save_head(tmp_path / "head.safetensors", head, draft_vocab=torch.arange(10), fingerprint=target_fingerprint(target), training={"steps": 3})
+    copy = export_head(path, tmp_path / "head-bf16.safetensors")
+    floats = sum(value.numel() for value in head.state_dict().values())
+    assert path.stat().st_size - copy.stat().st_size == pytest.approx(2 * floats, abs=1024)  # 4 -> 2 bytes a weight
+    loaded, vocab = load_head(copy, target)  # the fingerprint check passes: metadata kept
+    assert vocab.dtype == torch.int64 and vocab.tolist() == list(range(10))
+    rounded = {name: value.to(torch.bfloat16).float() for name, value in head.state_dict().items()}
+    assert all(torch.equal(loaded.state_dict()[name], rounded[name]) for name in rounded)
+    with safe_open(str(copy), framework="pt") as handle:
+        metadata = handle.metadata()
+    assert json.loads(metadata["training"]) == {"steps": 3}
+    assert json.loads(metadata["exported"]) == {"from": "head.safetensors", "dtype": "bfloat16"}
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a verispec head"):
+        export_head(tmp_path / "junk.safetensors", tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_default_head_is_the_one_built_here_else_the_bundled_one(tmp_path):
+    cache, bundled = tmp_path / "cache", tmp_path / "bundled"
+    with pytest.raises(FileNotFoundError, match="eagle build --target tiny"):
+        existing_head_path(None, "tiny", cache, bundled)
+    bundled.mkdir()
+    (bundled / "tiny.safetensors").write_bytes(b"head")
+    assert existing_head_path(None, "tiny", cache, bundled) == bundled / "tiny.safetensors"
+    built = default_head_path("tiny", cache)
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"head")
+    assert existing_head_path(None, "tiny", cache, bundled) == built  # the user's own build wins
+    assert existing_head_path(built.parent / "head.safetensors", "other", cache, bundled) == built
+    with pytest.raises(FileNotFoundError, match="nowhere.safetensors"):
+        existing_head_path(tmp_path / "nowhere.safetensors", "tiny", cache, bundled)
+
+
+def test_the_bundled_head_is_a_bfloat16_head_for_the_built_in_target():
+    from verispec.drafters.eagle.checkpoint import bundled_head_path
+    from verispec.models import DEFAULT_TARGET
+
+    path = bundled_head_path(DEFAULT_TARGET)
+    assert path.is_file(), f"no bundled head at {path}"
+    assert path.stat().st_size <= 64 * 2**20
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+        dtypes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}  # noqa: SIM118
+    assert metadata["format"] == "verispec-eagle-1"
+    config = EagleConfig(**json.loads(metadata["config"]))
+    assert (config.hidden_size, config.vocab_size, config.num_heads, config.num_kv_heads) == (1536, 151936, 12, 2)  # Qwen2.5-1.5B's shape
+    assert metadata["target_fingerprint"] == BUILT_IN_TARGET_FINGERPRINT
+    assert dtypes.pop("draft_vocab") == "I64" and set(dtypes.values()) == {"BF16"}
 
 
 # --- the pipeline ------------------------------------------------------------------------------------
@@ -463,3 +533,89 @@ def test_replay_counts_only_drafts_the_target_would_choose(target, trained_head)
         accepted_from_every_start(trained_head, embed, lm_head[:10], torch.arange(10), text, features, 4)
     with pytest.raises(ValueError, match="gamma"):
         accepted_from_every_start(trained_head, embed, lm_head, None, text, features, 0)
+
+
+# --- prompt lookup first, the EAGLE head otherwise (ngram+eagle) ---------------------------------------
+
+
+class _Recording:
+    """A drafter wrapper whose sessions log the feature positions each proposal was handed."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.name, self.needs_target_features = drafter, drafter.name, drafter.needs_target_features
+        self.handed: list[tuple[int, int, int]] = []  # (features_start, number of rows, len(token_ids))
+
+    def start(self, prompt_ids, sampling):
+        session, handed = self.drafter.start(prompt_ids, sampling), self.handed
+
+        class Session:
+            def propose(self, context, max_tokens, generator):
+                rows = 0 if context.target_features is None else len(context.target_features)
+                handed.append((context.features_start, rows, len(context.token_ids)))
+                return session.propose(context, max_tokens, generator)
+
+            def close(self):
+                session.close()
+
+        return Session()
+
+
+def test_lookup_then_eagle_hands_the_head_every_feature_once_and_stays_exact(target):
+    from verispec.drafters import lookup_then_model
+
+    eagle = _Recording(EagleDrafter(target, fresh_head(target, seed=3)))
+    combined = lookup_then_model(eagle)
+    assert combined.name == "ngram+eagle" and combined.needs_target_features
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 9, 10, 11, 12]  # repeats: lookup drafts some rounds
+    plain = SpeculativeDecoder(target).generate(prompt, 60, stop=[]).token_ids
+    result = SpeculativeDecoder(target, combined, gamma=4).generate(prompt, 60, stop=[])
+    assert result.token_ids == plain
+    rounds = len(result.stats.drafted_per_round)
+    assert 0 < len(eagle.handed) < rounds  # both drafters drafted
+    # The head reads positions 0, 1, 2, ... in order, none twice, none skipped: each hand-over
+    # starts where the previous ended and reaches the last committed position but one.
+    position = 0
+    for start, rows, length in eagle.handed:
+        assert start == position and start + rows == length - 1
+        position += rows
+    assert any(length - eagle.handed[i][2] > 5 for i, (_, _, length) in enumerate(eagle.handed[1:])), "no lookup rounds between two head rounds"
+
+
+def test_combined_session_holds_features_of_lookup_rounds_for_the_fallback():
+    from verispec.drafters.base import DraftContext, Proposal
+    from verispec.drafters.combined import CombinedSession
+
+    class Scripted:  # proposes on the rounds listed, records what it was handed
+        def __init__(self, rounds):
+            self.rounds, self.round, self.seen = rounds, 0, []
+
+        def propose(self, context, max_tokens, generator):
+            self.round += 1
+            self.seen.append(context)
+            return Proposal([1], None) if self.round in self.rounds else Proposal([], None)
+
+        def close(self):
+            pass
+
+    features = torch.arange(10.0)[:, None].repeat(1, 4)  # position i's feature is all i
+    contexts = [DraftContext(list(range(4)), features[0:3], 0), DraftContext(list(range(6)), features[3:5], 3), DraftContext(list(range(8)), features[5:7], 5)]
+    primary, fallback = Scripted({1, 2}), Scripted({1})
+    session = CombinedSession(primary, fallback)
+    generator = torch.Generator()
+    assert [session.propose(context, 2, generator).tokens for context in contexts] == [[1], [1], [1]]  # lookup, lookup, fallback
+    (handed,) = fallback.seen
+    assert handed.features_start == 0 and torch.equal(handed.target_features, features[0:7])
+    assert handed.token_ids == contexts[2].token_ids and session.held == []
+    # Batched: the same holding through propose_many.
+    primary, fallback = Scripted({1}), Scripted({1})
+    batch = CombinedSession(primary, fallback)
+    CombinedSession.propose_many([batch], contexts[:1], [2], [generator])
+    CombinedSession.propose_many([batch], contexts[1:2], [2], [generator])
+    assert torch.equal(fallback.seen[0].target_features, features[0:5]) and fallback.seen[0].features_start == 0
+
+
+def test_combined_drafter_refuses_a_primary_that_reads_features(target):
+    from verispec.drafters import CombinedDrafter, NgramDrafter
+
+    with pytest.raises(ValueError, match="primary drafter"):
+        CombinedDrafter(EagleDrafter(target, fresh_head(target)), NgramDrafter())

@@ -214,8 +214,9 @@ class _FixedCosts(StepCosts):
         (SamplingParams(temperature=1.0), "draft-model-adaptive"),
         (SamplingParams(temperature=0.9, top_k=4), "draft-model-vocab"),
         (SamplingParams(temperature=1.0), "draft-model-path"),
+        (SamplingParams(temperature=1.0), "eagle-path"),
     ],
-    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab", "adaptive-gamma", "draft-model-draft-vocab", "path-stop"],
+    ids=["temperature", "top_k", "top_p", "ngram-deterministic", "confidence-stop", "eagle", "eagle-draft-vocab", "adaptive-gamma", "draft-model-draft-vocab", "path-stop", "eagle-path-stop"],
 )
 def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind):
     target = tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=1.5)
@@ -229,6 +230,7 @@ def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind)
         "draft-model-adaptive": lambda: DraftModel(draft),
         "ngram": NgramDrafter,
         "eagle": lambda: EagleDrafter(target, _eagle_head(target)),
+        "eagle-path": lambda: EagleDrafter(target, _eagle_head(target), path_confidence=0.6),  # draft length varies
         # Drafts only from tokens 1, 2, 4: zero draft mass on the others must stay exact.
         "eagle-draft-vocab": lambda: EagleDrafter(target, _eagle_head(target), draft_vocab=torch.tensor([1, 2, 4])),
         "draft-model-vocab": lambda: DraftModel(draft, draft_vocab=torch.tensor([1, 2, 4])),

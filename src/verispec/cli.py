@@ -118,8 +118,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         from verispec.far_memory_cli import far_memory_from_args
 
         far_memory_from_args(args, None if hasattr(args, "draft_attention") else "fold")  # raises naming the bad option
-        if getattr(args, "draft_attention", "full") != "full" and args.drafter != "eagle":
-            raise ValueError(f"--draft-attention {args.draft_attention} changes the EAGLE head's attention: it needs --drafter eagle")
+        if getattr(args, "draft_attention", "full") != "full" and args.drafter not in EAGLE_DRAFTERS:
+            raise ValueError(f"--draft-attention {args.draft_attention} changes the EAGLE head's attention: it needs --drafter eagle or ngram+eagle")
 
 
 def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: ANN001 - LoadedModels
@@ -244,14 +244,15 @@ def _build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--repeats", type=int, default=5, help="passes per count; the median is reported (default 5)")
     costs.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     costs.add_argument("--cache-dir", type=Path, default=None)
-    costs.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="also time this EAGLE head's steps, over its draft vocabulary and the full one (default: the head `verispec eagle build` made, if any)")
+    costs.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="also time this EAGLE head's steps, over its draft vocabulary and the full one (default: the head `verispec eagle build` made, else the bundled head, if any)")
     costs.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="also time this parallel head's drafting per proposed token next to the EAGLE head's (default: the head `verispec parallel train` made, if any)")
     costs.add_argument("--draft-vocab", type=int, default=32768, metavar="N", help="also time the int8 draft over its first N token ids (+ special ones), as --draft-vocab N drafts; 0 = skip (default 32768)")
     costs.set_defaults(handler=_costs)
     return parser
 
 
-DRAFTERS = ("draft-model", "ngram", "ngram+draft", "eagle", "parallel", "none")
+DRAFTERS = ("draft-model", "ngram", "ngram+draft", "eagle", "ngram+eagle", "parallel", "none")
+EAGLE_DRAFTERS = ("eagle", "ngram+eagle")  # the drafters that load an EAGLE head
 MODEL_DRAFTERS = ("draft-model", "ngram+draft")  # the drafters that run --draft
 
 
@@ -265,8 +266,8 @@ def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-mod
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
-    sub.add_argument("--drafter", choices=list(DRAFTERS), default=drafter, help=f"how drafts are made: a small draft model (draft-model), prompt lookup (ngram), prompt lookup on a 2+ token match and the draft model otherwise (ngram+draft), an EAGLE head (eagle, see --eagle-head), a parallel head (parallel, see --parallel-head), or none (plain decoding); default {drafter}")
-    sub.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for --drafter eagle (default <cache>/eagle/<target>/head.safetensors, made by `verispec eagle build`)")
+    sub.add_argument("--drafter", choices=list(DRAFTERS), default=drafter, help=f"how drafts are made: a small draft model (draft-model), prompt lookup (ngram), prompt lookup on a 2+ token match and the draft model otherwise (ngram+draft), an EAGLE head (eagle, see --eagle-head), prompt lookup on a 2+ token match and the EAGLE head otherwise (ngram+eagle), a parallel head (parallel, see --parallel-head), or none (plain decoding); default {drafter}")
+    sub.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for --drafter eagle (default <cache>/eagle/<target>/head.safetensors, made by `verispec eagle build`, else the head bundled for the target)")
     from verispec.parallel_cli import add_parallel_drafter_options
 
     add_parallel_drafter_options(sub)
@@ -349,6 +350,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
     bench.add_argument("--categories", default=None, metavar="A,B", help="comma list of categories to keep (e.g. humaneval,coding,rag)")
     bench.add_argument("--num-prompts", type=int, default=None, metavar="N", help="at most N prompts per category; HumanEval is one category (default 8 HumanEval and 1 per Spec-Bench category, all of a --prompts file; --quick: 2 HumanEval, 1 per Spec-Bench category)")
+    bench.add_argument("--first-prompt", type=int, default=0, metavar="N", help="skip the first N prompts of each category (default 0): e.g. --set humaneval --first-prompt 100 is a dev range of problems the default runs never use, for choosing settings")
     bench.add_argument("--raw", action="store_true", help="continue each prompt's text as it is, without the chat template (as /v1/completions does)")
     bench.add_argument("--multi-turn", action="store_true", help="also run the later turns of multi-turn prompts, after our plain decoding's answer to the earlier turns")
     bench.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="new tokens at most (default 128; --quick: 32)")
@@ -357,7 +359,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
     _add_kernel_options(bench)
-    bench.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for the eagle methods (default <cache>/eagle/<target>/head.safetensors)")
+    bench.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for the eagle methods (default <cache>/eagle/<target>/head.safetensors, else the bundled head)")
     bench.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for the parallel methods (default <cache>/eagle/<target>/parallel.safetensors)")
     add_far_memory_options(bench, with_mode=False)  # eagle-local / eagle-fold set the mode
     bench.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory (default bench-results/<timestamp>/)")
@@ -404,7 +406,7 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    eagle_head = _eagle_head_path(args) if args.drafter == "eagle" else None
+    eagle_head = _eagle_head_path(args) if args.drafter in EAGLE_DRAFTERS else None
     from verispec.parallel_cli import parallel_drafter_from_args, parallel_head_path
 
     parallel_head = parallel_head_path(args) if args.drafter == "parallel" else None
@@ -418,10 +420,12 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
         drafter = parallel_drafter_from_args(args, target, parallel_head)
     elif eagle_head is not None:
         from verispec.drafters.eagle import EagleDrafter
-
+        from verispec.drafters.eagle.drafter import EAGLE_PATH_CONFIDENCE
         from verispec.far_memory_cli import far_memory_from_args
 
-        drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args))
+        drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args), path_confidence=EAGLE_PATH_CONFIDENCE)
+        if args.drafter == "ngram+eagle":
+            drafter = lookup_then_model(drafter)
     else:
         drafter = None  # no drafter, or --draft none: plain decoding
         if args.drafter == "ngram":
@@ -583,7 +587,7 @@ def _costs(args: argparse.Namespace) -> int:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = skip), got {args.draft_vocab}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    # An explicit --eagle-head must exist; the default head is timed only if `eagle build` made one.
+    # An explicit --eagle-head must exist; the default head (built here, or bundled) is timed if there is one.
     try:
         head_path = _eagle_head_path(args)
     except FileNotFoundError:
@@ -721,7 +725,7 @@ def _bench(args: argparse.Namespace) -> int:
     needs_draft = any(method_spec(name).needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
         raise ValueError(f"--draft none, but {', '.join(n for n in names if method_spec(n).needs_draft)} need(s) a draft model")
-    eagle_head = _eagle_head_path(args) if any(name.startswith("eagle") for name in names) else None
+    eagle_head = _eagle_head_path(args) if any(name.startswith(("eagle", "ngram+eagle")) for name in names) else None
     from verispec.parallel_cli import parallel_head_path
 
     parallel_head = parallel_head_path(args) if any(name.startswith("parallel") for name in names) else None
@@ -853,6 +857,8 @@ def _bench_prompts(args: argparse.Namespace, preset: _BenchPreset, tokenizer=Non
         raise ValueError("--prompts is given but --set does not include 'file'")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.first_prompt < 0:
+        raise ValueError(f"--first-prompt must be >= 0, got {args.first_prompt}")
     per_set = {s: args.num_prompts if args.num_prompts is not None else preset.per_category[s] for s in sets}
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     loaded = {
@@ -871,7 +877,7 @@ def _bench_prompts(args: argparse.Namespace, preset: _BenchPreset, tokenizer=Non
     prompts = []
     for s in sets:
         kept = [p for p in every[s] if categories is None or p.category in categories]
-        prompts += first_per_category(kept, per_set[s])
+        prompts += first_per_category(kept, per_set[s], skip=args.first_prompt)
     if not prompts and (tokenizer is not None or "long" not in sets):
         raise ValueError("no prompts selected (check --set and --categories)")
     ids = [p.id for p in prompts]

@@ -61,7 +61,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help="feature shards directory, repeatable (default: <cache>/eagle/<target>/features and .../answers, those that exist)")
 
     def eval_options(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--head", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/head.safetensors)")
+        sub.add_argument("--head", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/head.safetensors, else the head bundled for the target)")
         sub.add_argument("--set", choices=["humaneval", "spec-bench"], default="humaneval", help="prompts: HumanEval problems (default) or Spec-Bench questions, with a line per category")
         sub.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
         sub.add_argument("--num-prompts", type=int, default=8, help="HumanEval prompts, or prompts per Spec-Bench category (default 8)")
@@ -86,6 +86,11 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         for add_options in (common, *option_groups):
             add_options(sub)
         sub.set_defaults(handler=handler)
+    export = steps.add_parser("export", help="copy a head file with bfloat16 weights (half the size; how the bundled head was made)")
+    export.add_argument("head", type=Path, help="head file to copy (EAGLE or parallel)")
+    export.add_argument("--out", type=Path, required=True, metavar="PATH", help="where to write the copy")
+    export.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="storage precision of the weights (default bfloat16)")
+    export.set_defaults(handler=_export)
 
 
 def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
@@ -206,6 +211,18 @@ def _build(args: argparse.Namespace) -> int:
     _run_extract(args, target)
     _run_answers(args, target)
     _run_train(args, target)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from verispec.drafters.eagle.checkpoint import export_head
+
+    if args.out.resolve() == args.head.resolve():
+        raise ValueError("--out must differ from the head it copies")
+    out = export_head(args.head, args.out, getattr(torch, args.dtype))
+    print(f"{args.head} ({args.head.stat().st_size / 1e6:.1f} MB) -> {out} ({out.stat().st_size / 1e6:.1f} MB, {args.dtype})", file=sys.stderr)
     return 0
 
 

@@ -26,7 +26,7 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
     train.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     train.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help="feature shards directory, repeatable (default: <cache>/eagle/<target>/features and .../answers, those that exist)")
     train.add_argument("--out", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/parallel.safetensors)")
-    train.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head whose draft vocabulary the parallel head reuses (default <cache>/eagle/<target>/head.safetensors if it exists)")
+    train.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head whose draft vocabulary the parallel head reuses (default <cache>/eagle/<target>/head.safetensors if it exists, else the bundled head)")
     train.add_argument("--init-from-eagle", action="store_true", help="start the context encoder (fc, layer 0, norm) from the EAGLE head's weights")
     train.add_argument("--block-size", type=positive_int, default=defaults.block_size, help=f"K, positions drafted per pass (default {defaults.block_size})")
     train.add_argument("--num-layers", type=int, choices=[1, 2], default=defaults.num_layers, help=f"decoder layers (default {defaults.num_layers})")
@@ -58,6 +58,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from verispec.drafters.eagle import default_head_path
+    from verispec.drafters.eagle.checkpoint import find_head
     from verispec.drafters.parallel.checkpoint import default_parallel_path
     from verispec.drafters.parallel.train import train_parallel_head
     from verispec.models import load_model
@@ -67,11 +68,11 @@ def _train(args: argparse.Namespace) -> int:
     dirs = args.features or [path for path in (eagle_default.parent / "features", eagle_default.parent / "answers") if (path / "manifest.json").exists()]
     if not dirs:
         raise FileNotFoundError(f"no features under {eagle_default.parent}: run `verispec eagle extract` / `verispec eagle answers` first")
-    eagle_head = args.eagle_head or (eagle_default if eagle_default.is_file() else None)
+    eagle_head = args.eagle_head or find_head(args.target, args.cache_dir)
     if args.eagle_head is not None and not args.eagle_head.is_file():
         raise FileNotFoundError(f"--eagle-head {str(args.eagle_head)!r} does not exist")
     if settings.init_from_eagle and eagle_head is None:
-        raise ValueError(f"--init-from-eagle needs an EAGLE head: none at {eagle_default}, pass --eagle-head PATH")
+        raise ValueError(f"--init-from-eagle needs an EAGLE head: none at {eagle_default} or bundled, pass --eagle-head PATH")
     out = args.out or default_parallel_path(args.target, args.cache_dir)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

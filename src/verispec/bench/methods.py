@@ -39,6 +39,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("ngram+draft-adaptive", "ours", True, "ngram+draft, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle", "ours", False, "EAGLE head on the target's features (--eagle-head), gamma drafts a round"),
         MethodSpec("eagle-adaptive", "ours", False, "EAGLE head, 0..gamma drafts a round (adaptive_gamma)"),
+        MethodSpec("ngram+eagle", "ours", False, "prompt lookup when it matches, the EAGLE head otherwise (CombinedDrafter)"),
+        MethodSpec("ngram+eagle-adaptive", "ours", False, "ngram+eagle, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle-local", "ours", False, "EAGLE head attending to the last --local-window tokens only (truncation)"),
         MethodSpec("eagle-fold", "ours", False, "EAGLE head with far memory (FOLD: --local-window, --memory-temperature, --memory-weight)"),
         MethodSpec("eagle-local-adaptive", "ours", False, "eagle-local, 0..gamma drafts a round (adaptive_gamma)"),
@@ -59,7 +61,7 @@ STREAM_DEFAULT_METHOD = f"ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM
 DEFAULT_METHODS = tuple(
     STREAM_DEFAULT_METHOD if name == "ngram+draft-adaptive" else name
     for name in METHODS
-    if name not in ("ngram-adaptive", "ngram+draft") and not name.startswith(("eagle", "parallel"))
+    if name not in ("ngram-adaptive", "ngram+draft") and not name.startswith(("eagle", "ngram+eagle", "parallel"))
 )
 QUICK_METHODS = ("plain", "draft-model", "ngram")  # --quick: the baseline and our two drafters
 REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-output references, in order of preference
@@ -68,6 +70,7 @@ REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-ou
 # Per-method settings a method name can carry after colons, e.g. ``draft-model:gamma=8:vocab=32768``,
 # so that settings are compared side by side in one run (interleaved prompt by prompt, like methods).
 _DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft", "ngram+draft-adaptive")
+_EAGLE_METHODS = ("eagle", "eagle-adaptive", "ngram+eagle", "ngram+eagle-adaptive")  # (far-memory variants: as measured, no stop rule)
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,8 @@ _OPTIONS = {
                      lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "confidence": _Option("draft model: stop a round's drafting below this draft probability, in [0, 1); 0 = never", float, lambda v: 0 <= v < 1,
                           lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
-    "path": _Option("draft model: stop a round's drafting once the product of its draft probabilities is below this, in [0, 1); 0 = never", float,
-                    lambda v: 0 <= v < 1, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "path": _Option("draft model or EAGLE head: stop a round's drafting once the product of its draft probabilities is below this, in [0, 1); 0 = never", float,
+                    lambda v: 0 <= v < 1, lambda base: base in _DRAFT_MODEL_METHODS + _EAGLE_METHODS, ", ".join(_DRAFT_MODEL_METHODS + _EAGLE_METHODS)),
     "tune": _Option("prompt lookup: 1 = each session picks the best-scoring of its lookup rules (the default), 0 = the latest-match rule with capped short matches alone",
                     int, lambda v: v in (0, 1), lambda base: base in ("ngram", "ngram-adaptive"), "ngram, ngram-adaptive"),
     "screen": _Option("greedy target passes: 1 = the LM head's argmax through its exact int8 screen, 0 = every logit in float32 (the run's --greedy-lm-head otherwise)", int,
@@ -342,7 +345,7 @@ def build_method(
     model_drafter = None  # the draft model (its prefix cache is the method's too)
     if name.startswith("draft-model"):
         drafter = model_drafter = settings.build(draft, name=draft.name)
-    elif name.startswith("eagle"):
+    elif name.startswith(("eagle", "ngram+eagle")):
         from verispec.drafters.eagle import EagleDrafter
 
         if eagle_head is None:
@@ -351,7 +354,9 @@ def build_method(
 
         mode = {"eagle-local": "local", "eagle-fold": "fold"}.get(name.removesuffix("-adaptive"))
         settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
-        drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings)
+        drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path)
+        if name.startswith("ngram+"):
+            drafter = lookup_then_model(drafter)
     elif name.startswith("parallel"):
         from verispec.drafters.parallel import ParallelDrafter
 

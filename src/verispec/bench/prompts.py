@@ -102,15 +102,18 @@ def prompts_from_file(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def first_per_category(prompts: Iterable[Prompt], limit: int | None) -> list[Prompt]:
-    """At most ``limit`` prompts of each category (all when None), keeping the original order."""
+def first_per_category(prompts: Iterable[Prompt], limit: int | None, skip: int = 0) -> list[Prompt]:
+    """At most ``limit`` prompts of each category (all when None) after its first ``skip``, keeping the original order."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    taken: dict[str, int] = {}
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    seen: dict[str, int] = {}
     kept = []
     for prompt in prompts:
-        if limit is None or taken.get(prompt.category, 0) < limit:
-            taken[prompt.category] = taken.get(prompt.category, 0) + 1
+        index = seen.get(prompt.category, 0)
+        seen[prompt.category] = index + 1
+        if index >= skip and (limit is None or index < skip + limit):
             kept.append(prompt)
     return kept
 

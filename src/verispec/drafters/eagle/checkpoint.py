@@ -20,28 +20,59 @@ from verispec.drafters.eagle.head import EagleConfig, EagleHead
 
 FORMAT = "verispec-eagle-1"
 _FINGERPRINT_ROWS = 64
+# Heads that ship with verispec, one per target: <target>.safetensors (README, "The bundled head").
+BUNDLED_HEADS = Path(__file__).with_name("heads")
 
 
 class EagleHeadMismatchError(ValueError):
     """The head was trained for a different target (shape, vocabulary or weights)."""
 
 
+def _safe_name(target_name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in Path(str(target_name)).name or "target")
+
+
 def default_head_path(target_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where ``verispec eagle build`` puts the head for a target: <cache>/eagle/<target>/head.safetensors."""
     from verispec.models.registry import default_cache_dir
 
-    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in Path(str(target_name)).name or "target")
-    return Path(cache_dir or default_cache_dir()) / "eagle" / safe / "head.safetensors"
+    return Path(cache_dir or default_cache_dir()) / "eagle" / _safe_name(target_name) / "head.safetensors"
 
 
-def existing_head_path(path: str | os.PathLike | None, target_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """``path``, or the default head of ``target_name``; FileNotFoundError saying how to make one if absent.
+def bundled_head_path(target_name: str, bundled_dir: Path = BUNDLED_HEADS) -> Path:
+    """Where a head that ships with verispec for ``target_name`` would be (it may not exist)."""
+    return bundled_dir / f"{_safe_name(target_name)}.safetensors"
+
+
+def find_head(target_name: str, cache_dir: str | os.PathLike | None = None, bundled_dir: Path = BUNDLED_HEADS) -> Path | None:
+    """The head ``--drafter eagle`` uses by default: one built on this machine, else the bundled one, else None.
+
+    A head the user built (``verispec eagle build``) wins: they made it on purpose, for this target.
+    """
+    for head in (default_head_path(target_name, cache_dir), bundled_head_path(target_name, bundled_dir)):
+        if head.is_file():
+            return head
+    return None
+
+
+def existing_head_path(
+    path: str | os.PathLike | None, target_name: str, cache_dir: str | os.PathLike | None = None, bundled_dir: Path = BUNDLED_HEADS
+) -> Path:
+    """``path``, or :func:`find_head`'s; FileNotFoundError saying how to make one if absent.
 
     Called before the target is loaded, so a missing head costs no minutes of loading.
     """
-    head = Path(path) if path is not None else default_head_path(target_name, cache_dir)
-    if not head.is_file():
-        raise FileNotFoundError(f"EAGLE head {str(head)!r} not found: train one with `verispec eagle build --target {target_name}` or pass its path")
+    if path is not None:
+        head = Path(path)
+        if not head.is_file():
+            raise FileNotFoundError(f"EAGLE head {str(head)!r} not found: pass an existing head, or train one with `verispec eagle build --target {target_name}`")
+        return head
+    head = find_head(target_name, cache_dir, bundled_dir)
+    if head is None:
+        raise FileNotFoundError(
+            f"no EAGLE head for {target_name!r} (none at {str(default_head_path(target_name, cache_dir))!r}, none bundled): "
+            f"train one with `verispec eagle build --target {target_name}` or pass its path"
+        )
     return head
 
 
@@ -72,7 +103,6 @@ def save_head(
 ) -> Path:
     """Write the head atomically (a crash leaves the previous file intact)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: value.detach().to(dtype).contiguous() for name, value in head.state_dict().items()}
     if draft_vocab is not None:
         tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
@@ -82,6 +112,12 @@ def save_head(
         "target_fingerprint": fingerprint,
         "training": json.dumps(training or {}),
     }
+    return _write(path, tensors, metadata)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """Atomically: a crash leaves the previous file intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial), metadata=metadata)
     os.replace(partial, path)
@@ -116,6 +152,32 @@ def check_target(path: Path, metadata: dict, config: EagleConfig, target: PreTra
             f"{kind} {path.name} was trained for a different target (fingerprint {metadata['target_fingerprint']}, "
             f"this target {fingerprint}): train one for it with {how_to_train}"
         )
+
+
+def export_head(source: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Copy a verispec head file (EAGLE or parallel) with its weights stored in ``dtype``.
+
+    Made to bundle a head at half the size. Metadata (format, config, target fingerprint, training
+    record) is kept, plus where the copy came from; the draft vocabulary stays int64. Loading
+    computes in float32 whatever the file stores, so a bfloat16 copy drafts with its weights
+    rounded once to bfloat16, the precision its products were trained in.
+    """
+    from safetensors import safe_open
+
+    source, out = Path(source), Path(out)
+    if not source.is_file():
+        raise FileNotFoundError(f"head {str(source)!r} does not exist")
+    try:
+        with safe_open(str(source), framework="pt") as handle:
+            metadata = dict(handle.metadata() or {})
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - safe_open is not iterable
+    except Exception as error:  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"{source} is not a verispec head (unreadable safetensors: {error})") from None
+    if not metadata.get("format", "").startswith("verispec-"):
+        raise ValueError(f"{source} is not a verispec head (format {metadata.get('format')!r})")
+    tensors = {name: value.to(dtype).contiguous() if value.is_floating_point() else value for name, value in tensors.items()}
+    metadata["exported"] = json.dumps({"from": source.name, "dtype": str(dtype).removeprefix("torch.")})
+    return _write(out, tensors, metadata)
 
 
 def load_head(path: str | os.PathLike, target: PreTrainedModel) -> tuple[EagleHead, torch.Tensor | None]:
