@@ -707,7 +707,7 @@ def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from verispec.bench import report
-    from verispec.bench.methods import build_method, method_spec, parse_methods
+    from verispec.bench.methods import EAGLE_HEAD_PREFIXES, build_method, method_spec, parse_methods
     from verispec.bench.plots import write_plots
     from verispec.bench.runner import BenchRun, BenchSettings, count_runs, run_bench
     from verispec.bench.summary import reference_method, summarize
@@ -725,7 +725,7 @@ def _bench(args: argparse.Namespace) -> int:
     needs_draft = any(method_spec(name).needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
         raise ValueError(f"--draft none, but {', '.join(n for n in names if method_spec(n).needs_draft)} need(s) a draft model")
-    eagle_head = _eagle_head_path(args) if any(name.startswith(("eagle", "ngram+eagle")) for name in names) else None
+    eagle_head = _eagle_head_path(args) if any(name.startswith(EAGLE_HEAD_PREFIXES) for name in names) else None
     from verispec.parallel_cli import parallel_head_path
 
     parallel_head = parallel_head_path(args) if any(name.startswith("parallel") for name in names) else None

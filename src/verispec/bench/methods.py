@@ -52,6 +52,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("hf-lookup", "hf", False, "transformers prompt lookup (prompt_lookup_num_tokens=10)"),
     ]
 }
+# Method names that draft with an EAGLE head (the bench loads one when any is asked for).
+EAGLE_HEAD_PREFIXES = ("eagle", "ngram+eagle")
 # What `generate` and `compare` run by default, as a bench method.
 STREAM_DEFAULT_METHOD = f"ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM_PATH_CONFIDENCE}"
 # The full run: every method but ngram-adaptive (lookup drafts cost nothing, so adapting their
@@ -61,7 +63,7 @@ STREAM_DEFAULT_METHOD = f"ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM
 DEFAULT_METHODS = tuple(
     STREAM_DEFAULT_METHOD if name == "ngram+draft-adaptive" else name
     for name in METHODS
-    if name not in ("ngram-adaptive", "ngram+draft") and not name.startswith(("eagle", "ngram+eagle", "parallel"))
+    if name not in ("ngram-adaptive", "ngram+draft") and not name.startswith((*EAGLE_HEAD_PREFIXES, "parallel"))
 )
 QUICK_METHODS = ("plain", "draft-model", "ngram")  # --quick: the baseline and our two drafters
 REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-output references, in order of preference
@@ -345,7 +347,7 @@ def build_method(
     model_drafter = None  # the draft model (its prefix cache is the method's too)
     if name.startswith("draft-model"):
         drafter = model_drafter = settings.build(draft, name=draft.name)
-    elif name.startswith(("eagle", "ngram+eagle")):
+    elif name.startswith(EAGLE_HEAD_PREFIXES):
         from verispec.drafters.eagle import EagleDrafter
 
         if eagle_head is None:

@@ -90,10 +90,12 @@ class CombinedSession:
         """:meth:`propose` for several sessions: each tries its primary; the fallbacks of those that
         got nothing draft together where they can (:func:`~verispec.drafters.base.propose_batch`)."""
         proposals = [s.primary.propose(c, m, g) for s, c, m, g in zip(sessions, contexts, max_tokens, generators)]
-        empty = [index for index, proposal in enumerate(proposals) if not proposal.tokens]
+        empty = []
         for index, proposal in enumerate(proposals):
             if proposal.tokens:
-                sessions[index]._hold(contexts[index])
+                sessions[index]._hold(contexts[index])  # as propose does: the fallback gets them later
+            else:
+                empty.append(index)
         fallbacks = propose_batch(
             [sessions[i].fallback for i in empty], [sessions[i]._for_fallback(contexts[i]) for i in empty], [max_tokens[i] for i in empty], [generators[i] for i in empty]
         )
