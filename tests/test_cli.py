@@ -270,6 +270,17 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     # The default head path is where `eagle train` put it; generate and costs find it there.
     assert main(["generate", *common, "--drafter", "eagle", "--max-new-tokens", "8", "hello"]) == 0
     assert "8 tokens" in capsys.readouterr().err
+    # With draft trees the head offers runner-ups; the text stays plain decoding's.
+    raw = ["generate", *common, "--max-new-tokens", "8", "--raw", "hello"]
+    assert main([*raw, "--drafter", "none"]) == 0
+    plain32 = capsys.readouterr().out
+    assert main([*raw, "--drafter", "eagle", "--tree-rows", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain32
+    from verispec.models.panel_linear import panel_kernels_unavailable_reason
+
+    if panel_kernels_unavailable_reason() is None:  # --target-kernels auto takes the stack trees run on
+        assert "draft trees need the panel kernels' fused stack" in err
     # The same head drafts for the target served in bfloat16 (its fingerprint is taken in bfloat16).
     bf16 = ["generate", *common, "--target-dtype", "bfloat16", "--max-new-tokens", "8", "--raw", "hello"]
     assert main([*bf16, "--drafter", "none"]) == 0

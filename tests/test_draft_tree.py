@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import trained_head  # noqa: F401 - a fixture
 from tiny_models import noisy_copy, tiny_config, tiny_target
 from transformers import Qwen2ForCausalLM
 
@@ -162,3 +163,100 @@ def test_cli_tree_rows_default_matches_the_engine_and_is_validated(capsys):
     assert cli.DEFAULT_TREE_ROWS == DEFAULT_TREE_ROWS
     assert cli.main(["generate", "hi", "--tree-rows", "-1"]) == 2
     assert "--tree-rows must be >= 0" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()  # test_eagle's target: its trained_head drafts for this model
+
+
+@needs_wide_kernels
+def test_eagle_draft_trees_stay_exact_and_hand_the_head_the_kept_branch_features(target, trained_head):
+    # A kept branch stands where the rejected draft stood: the head must then read the branch
+    # row's feature there (not the rejected draft's), or its later drafts condition on a token
+    # that is not in the text. Greedy output stays the target's either way, so check the features.
+    from verispec.drafters.eagle import EagleDrafter
+
+    model = use_panel_kernels(target)
+    drafter = EagleDrafter(model, trained_head, alternatives=2)
+    handed: dict[int, torch.Tensor] = {}  # position -> the feature the head was handed for it
+
+    class Recording:
+        name, needs_target_features = drafter.name, True
+
+        def start(self, prompt_ids, sampling):
+            session = drafter.start(prompt_ids, sampling)
+
+            class Session:
+                def propose(self, context, max_tokens, generator):
+                    if context.target_features is not None:
+                        for offset, feature in enumerate(context.target_features):
+                            assert context.features_start + offset not in handed, "a position handed twice"
+                            handed[context.features_start + offset] = feature.clone()
+                    return session.propose(context, max_tokens, generator)
+
+                def close(self):
+                    session.close()
+
+            return Session()
+
+    kept = 0
+    for prompt in ([5, 6, 7], [40, 41, 42, 43, 44], [90, 3], [12, 13, 60, 61]):
+        handed.clear()
+        plain = SpeculativeDecoder(model).generate(prompt, max_new_tokens=40, stop=[])
+        trees = SpeculativeDecoder(model, Recording(), gamma=4, tree_rows=12).generate(prompt, max_new_tokens=40, stop=[])
+        assert trees.token_ids == plain.token_ids
+        assert trees.stats.branches_verified > 0
+        kept += trees.stats.branches_accepted
+        with torch.no_grad():
+            truth = target.model(torch.tensor([prompt + trees.token_ids])).last_hidden_state[0]
+        assert sorted(handed) == list(range(len(handed)))
+        torch.testing.assert_close(torch.stack([handed[i] for i in range(len(handed))]), truth[: len(handed)], atol=1e-4, rtol=1e-4)
+    assert kept > 0, "no branch was kept: the test would not see a wrong hand-over"
+    # Chains only, the head offers no runner-ups (no softmax spent on them).
+    chain = EagleDrafter(model, trained_head).start([5, 6, 7], SamplingParams())
+    assert chain.propose(DraftContext([5, 6, 7], truth[:2], 0), 3, torch.Generator()).alternatives == []
+    with pytest.raises(ValueError, match="alternatives"):
+        EagleDrafter(model, trained_head, alternatives=-1)
+
+
+@needs_wide_kernels
+@pytest.mark.parametrize("correction", [False, True])
+def test_parallel_draft_trees_stay_exact_and_keep_branches(target, trained_head, correction):
+    from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead
+
+    model = use_panel_kernels(target)
+    torch.manual_seed(3)
+    head = ParallelHead(ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True))
+    head.load_eagle(trained_head)  # its first draft and runner-ups are the trained EAGLE head's
+    drafter = ParallelDrafter(model, head.eval().requires_grad_(False), candidates=3, correction=correction, alternatives=2)
+    kept = 0
+    for prompt in ([5, 6, 7], [40, 41, 42, 43, 44], [90, 3], [12, 13, 60, 61]):
+        plain = SpeculativeDecoder(model).generate(prompt, max_new_tokens=40, stop=[])
+        trees = SpeculativeDecoder(model, drafter, gamma=3, tree_rows=10).generate(prompt, max_new_tokens=40, stop=[])
+        assert trees.token_ids == plain.token_ids and trees.stats.branches_verified > 0
+        kept += trees.stats.branches_accepted
+    assert kept > 0
+
+
+def test_parallel_runner_ups_are_the_other_candidates_scored_by_their_path(target):
+    from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead
+    from verispec.drafters.parallel.drafter import BlockDrafts, path_runner_ups
+
+    log_probs = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]]))  # [1, 2 positions, 3 candidates]
+    drafts = BlockDrafts(torch.tensor([[10, 21]]), 2, log_probs, torch.tensor([[[10, 11, 12], [20, 21, 22]]]), torch.tensor([[0, 1]]))
+    alternatives = path_runner_ups(drafts, 0, 2)
+    assert [(i, token) for i, token, _ in alternatives] == [(0, 11), (0, 12), (1, 20), (1, 22)]
+    assert [score for *_, score in alternatives] == pytest.approx([0.3, 0.2, 0.5 * 0.6, 0.5 * 0.1])
+    assert path_runner_ups(drafts, 0, 0) == []
+    # Greedy sessions offer them, sampling ones do not; bad counts are refused.
+    head = ParallelHead(ParallelConfig.for_target(target.config, 24, block_size=3)).eval().requires_grad_(False)
+    drafter = ParallelDrafter(target, head, candidates=1, correction=False, alternatives=2)
+    with torch.no_grad():
+        features = target.model(torch.tensor([[5, 6, 7]])).last_hidden_state[0]
+    context = DraftContext([5, 6, 7], features[:2], 0)
+    greedy = drafter.start([5, 6, 7], SamplingParams()).propose(context, 3, torch.Generator())
+    assert len(greedy.alternatives) == 2 * len(greedy.tokens) == 6
+    assert drafter.start([5, 6, 7], SamplingParams(temperature=1.0)).propose(context, 3, torch.Generator()).alternatives == []
+    with pytest.raises(ValueError, match="alternatives"):
+        ParallelDrafter(target, head, alternatives=-1)

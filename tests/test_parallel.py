@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
-from test_eagle import documents, fresh_head, words_tokenizer
+from test_eagle import documents, fresh_head, trained_head, words_tokenizer  # noqa: F401 - trained_head: a fixture
 from test_engine import RUNS, SMALL_VOCAB, _exact_first_two, _sample_first_two
 from tiny_models import noisy_copy, tiny_target
 from verispec import SamplingParams, SpeculativeDecoder
@@ -16,6 +16,8 @@ from verispec.drafters.eagle import EagleDrafter, EagleHeadMismatchError, save_h
 from verispec.drafters.eagle.extract import ExtractSettings, extract_features
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead, best_path, load_parallel_head, save_parallel_head, top_paths
+from verispec.drafters.parallel.acceptance import accepted_from_every_start
+from verispec.drafters.parallel.drafter import _pair_fit
 from verispec.drafters.parallel.head import cached
 from verispec.drafters.parallel.train import BlockObjective, ParallelTrainSettings, train_parallel_head
 from verispec.models import LoadedModel
@@ -28,9 +30,9 @@ def target():
     return tiny_target(vocab_size=VOCAB)
 
 
-def parallel_head(target, block_size=4, num_layers=1, seed=0) -> ParallelHead:
+def parallel_head(target, block_size=4, num_layers=1, seed=0, slot_input="fc") -> ParallelHead:
     torch.manual_seed(seed)
-    config = ParallelConfig.for_target(target.config, 24, block_size=block_size, num_layers=num_layers)
+    config = ParallelConfig.for_target(target.config, 24, block_size=block_size, num_layers=num_layers, slot_input=slot_input)
     return ParallelHead(config).eval().requires_grad_(False)
 
 
@@ -108,8 +110,9 @@ def test_cached_drafting_blocks_equal_the_training_computation(target, num_layer
         head.encode_context(features[:, :1], embeds[:, :1], start=3, caches=caches)
 
 
-def test_a_known_slot_changes_its_neighbours_only_through_attention(target):
-    head = parallel_head(target, block_size=3)
+@pytest.mark.parametrize("slot_input", ["fc", "add"])
+def test_a_known_slot_changes_its_neighbours_only_through_attention(target, slot_input):
+    head = parallel_head(target, block_size=3, slot_input=slot_input)
     hidden = target.config.hidden_size
     context, outputs = head.encode_context(torch.randn(1, 5, hidden), torch.randn(1, 5, hidden))
     start, anchor = torch.tensor([5, 5]), outputs[:, -1]
@@ -119,7 +122,31 @@ def test_a_known_slot_changes_its_neighbours_only_through_attention(target):
     torch.testing.assert_close(head.draft_block(context, anchor, start[:1])[0], out[0])  # no known slot: no effect
 
 
-@pytest.mark.parametrize(("field", "value"), [("block_size", 0), ("num_layers", 3)])
+def test_slots_enter_through_fc_as_context_rows_do(target):
+    # slot_input "fc": slot j's input is fc([token or mask embedding ; norm(anchor)]), the same
+    # layer a context row (embed(x_{i+1}), f_i) goes through; a known slot carries its token's
+    # embedding there. Files written before the key existed mean "add" (the old summed input).
+    head = parallel_head(target, block_size=3)
+    assert not hasattr(head, "known")
+    hidden = target.config.hidden_size
+    context, outputs = head.encode_context(torch.randn(1, 5, hidden), torch.randn(1, 5, hidden))
+    anchor, token = outputs[:, -1], torch.randn(1, 3, hidden)
+    known = torch.tensor([[False, True, False]])
+    captured = []
+    hook = head.layers[0].register_forward_hook(lambda module, args, output: captured.append(args[0]))
+    try:
+        head.draft_block(context, anchor, torch.tensor([5]), token, known)
+    finally:
+        hook.remove()
+    guess = head.norm(anchor)[0]
+    expected = head.fc(torch.stack([torch.cat((head.mask_embeds[0], guess)), torch.cat((token[0, 1], guess)), torch.cat((head.mask_embeds[2], guess))]))
+    torch.testing.assert_close(captured[0][0], expected)
+    fields = dataclasses.asdict(head.config)
+    del fields["slot_input"]
+    assert ParallelConfig(**fields).slot_input == "add" and hasattr(parallel_head(target, slot_input="add"), "known")
+
+
+@pytest.mark.parametrize(("field", "value"), [("block_size", 0), ("num_layers", 3), ("slot_input", "concat")])
 def test_bad_parallel_config_names_the_field(field, value):
     good = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=16, vocab_size=10)
     with pytest.raises(ValueError, match=field):
@@ -220,7 +247,7 @@ def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
     session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 3, torch.Generator())  # fills the caches
     encoded, start = [cached(c) for c in session.caches], torch.tensor([3])
     index = torch.tensor([[5, 9], [1, 7], [3, 2]])  # candidates per position
-    pair = session._pair_fit(encoded, start, index)
+    pair = _pair_fit(drafter, encoded, session.anchor, start, index[None], None)[0]
     for i, c in itertools.product(range(2), range(2)):
         known = torch.zeros(1, 3, dtype=torch.bool)
         known[0, i] = True
@@ -229,6 +256,33 @@ def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
         following = head.draft_block(encoded, session.anchor, start, embeds, known)[0, i + 1]
         expected = (drafter.lm_head.weight[index[i + 1]] @ following).log_softmax(-1)
         torch.testing.assert_close(pair[i, c], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("correction", "candidates"), [(False, 1), (True, 3)])
+def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_head, correction, candidates):
+    # Teacher-forced replay (parallel eval) must count exactly the drafts the engine accepts on
+    # the target's own greedy answer: same rounds, same drafted and accepted per round.
+    from verispec.drafters.eagle.acceptance import replay_rounds
+
+    torch.manual_seed(3)
+    config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
+    head = ParallelHead(config)
+    head.load_eagle(trained_head)  # drafts the first token as the trained EAGLE head does: some rounds accept
+    drafter = ParallelDrafter(target, head.eval().requires_grad_(False), candidates=candidates, correction=correction)
+    prompt = [5, 17, 3, 40, 22, 9, 31]
+    result = SpeculativeDecoder(target, drafter, gamma=3).generate(prompt, 30, stop=[])
+    text = prompt + result.token_ids[:-1]  # the last token is emitted, never fed
+    with torch.no_grad():
+        features = target.model(torch.tensor([text])).last_hidden_state[0]
+    lm_head = target.get_output_embeddings().weight
+    accepted = accepted_from_every_start(drafter, torch.tensor(text), features, 3, lm_head, starts_per_call=4)
+    assert torch.equal(accepted_from_every_start(drafter, torch.tensor(text), features, 3, lm_head, first_row=len(prompt) - 2)[len(prompt) - 2 :], accepted[len(prompt) - 2 :])
+    rounds = replay_rounds(accepted, len(prompt) - 2, len(text) + 1, 3)
+    engine_rounds = list(zip(result.stats.drafted_per_round, result.stats.accepted_per_round))
+    assert rounds == engine_rounds
+    assert sum(accepted for _, accepted in rounds) > 0  # the test sees acceptance, not only rejections
+    with pytest.raises(ValueError, match="gamma"):
+        accepted_from_every_start(drafter, torch.tensor(text), features, 0, lm_head)
 
 
 def test_sampled_tokens_follow_the_target_distribution():
@@ -266,8 +320,9 @@ def test_feature_drafters_refuse_a_head_of_the_wrong_kind_or_width(target):
 # --- checkpoints and training ---------------------------------------------------------------------------
 
 
-def test_checkpoint_round_trip_and_refusals(target, tmp_path):
-    head = parallel_head(target, block_size=3, num_layers=2)
+@pytest.mark.parametrize("slot_input", ["fc", "add"])
+def test_checkpoint_round_trip_and_refusals(target, tmp_path, slot_input):
+    head = parallel_head(target, block_size=3, num_layers=2, slot_input=slot_input)
     path = save_parallel_head(tmp_path / "parallel.safetensors", head, draft_vocab=torch.arange(10), fingerprint=target_fingerprint(target))
     loaded, vocab = load_parallel_head(path, target)
     torch.testing.assert_close(loaded.state_dict(), head.state_dict())
@@ -367,6 +422,16 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
         assert code == 2
         err = capsys.readouterr().err
         assert "error:" in err and message in err and "Traceback" not in err
+    # `verispec parallel eval`: replayed tau per drafter on the target's recorded answers.
+    evaluate = ["parallel", "eval", "--target", str(gguf), "--parallel-head", str(path), "--num-prompts", "2", "--max-new-tokens", "8", "--gamma", "5"]
+    assert main([*evaluate, "--no-eagle"]) == 0
+    out = capsys.readouterr().out
+    assert "parallel (parallel.safetensors), 3 drafts a round" in out and "parallel-corrected (m=3)" in out and "eagle" not in out
+    assert out.count("2 prompts  tau") == 2
+    for extra, message in ((["--gamma", "0"], "--gamma"), (["--eagle-head", str(tmp_path / "none")], "--eagle-head")):
+        assert main([*evaluate, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
     # `verispec costs` times the head's drafting per proposed token, float32 and int8, with and without correction.
     costs = ["costs", "--target", str(gguf), "--draft", "none", "--parallel-head", str(path), "--cache-dir", str(tmp_path),
              "--context", "8", "--tokens", "1", "--repeats", "1"]  # fmt: skip

@@ -59,7 +59,7 @@ def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | N
     add_target_dtype_option(sub)
     sub.add_argument("--target-kernels", choices=["auto", "panel", "packed", "dense"], default="auto", help="auto (default): time panel against packed on the target's own weights when it is prepared (about two seconds) and keep the faster here, which differs by CPU (see Performance); panel: our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second); packed: oneDNN-packed weights; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--greedy-lm-head", choices=["screened", "full"], default="screened", help="screened (default): greedy passes of a target on the float32 panel kernels take the LM head's argmax through an int8 copy of it with an error bound per logit, computing in float32 only the logits that can be the argmax: the same tokens, about a quarter of the head's bytes (~20 ms less per step of the 1.5B target here; the int8 copy takes ~4 s to build and ~230 MB). full: every logit in float32. Sampling always computes the full head")
-    sub.add_argument("--tree-rows", type=int, default=DEFAULT_TREE_ROWS, metavar="N", help=f"greedy decoding with a draft model: verification passes of up to N rows, the spare ones filled with the draft's runner-up tokens (a one-level draft tree: when the target rejects a draft but takes a runner-up, that token and the next are emitted too; exact, each row computed as the chain would). Needs a target on the panel kernels' fused stack; 0 = chains only (default {DEFAULT_TREE_ROWS})")
+    sub.add_argument("--tree-rows", type=int, default=DEFAULT_TREE_ROWS, metavar="N", help=f"greedy decoding with a draft model or an EAGLE head: verification passes of up to N rows, the spare ones filled with the drafter's runner-up tokens (a one-level draft tree: when the target rejects a draft but takes a runner-up, that token and the next are emitted too; exact, each row computed as the chain would). Needs a target on the panel kernels' fused stack; 0 = chains only (default {DEFAULT_TREE_ROWS})")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     default = f"default {path_confidence}" if path_confidence is not None else "default: off"
     sub.add_argument("--draft-path-confidence", type=float, default=path_confidence, metavar="P", help=f"stop drafting a round once the product of the draft model's probabilities of this round's tokens is below P (its own estimate that the whole draft is accepted); 0 = off; {default}")
@@ -153,7 +153,12 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
         used = f"dense (the target is {target.model.dtype}; the few-row kernels are float32 or bfloat16)"
     elif kernels != "dense":
         reason = panel_kernels_unavailable_reason()
-        if kernels == "auto" and (reason is None or onednn_packing_available()):
+        if kernels == "auto" and reason is None and getattr(args, "tree_rows", 0):
+            # Draft trees run only on the panel kernels' fused stack: timing packed against it would
+            # pick a stack on which --tree-rows does nothing.
+            kernels, used = "panel", "panel (--tree-rows: draft trees need the panel kernels' fused stack)"
+            print(f"verispec: target kernels: {used}", file=sys.stderr)
+        elif kernels == "auto" and (reason is None or onednn_packing_available()):
             # A greedy run reads the head through the int8 screen on panel kernels: time it so.
             # (serve has no --temperature: its requests choose, so the full head is timed.)
             choice = fastest_target_kernels(target.model, screened_head=screened_head and getattr(args, "temperature", None) == 0)
@@ -420,10 +425,12 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
         drafter = parallel_drafter_from_args(args, target, parallel_head)
     elif eagle_head is not None:
         from verispec.drafters.eagle import EagleDrafter
+        from verispec.drafters.draft_model import TREE_ALTERNATIVES
         from verispec.drafters.eagle.drafter import EAGLE_PATH_CONFIDENCE
         from verispec.far_memory_cli import far_memory_from_args
 
-        drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args), path_confidence=EAGLE_PATH_CONFIDENCE)
+        alternatives = TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0  # runner-ups only where trees verify them
+        drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args), path_confidence=EAGLE_PATH_CONFIDENCE, alternatives=alternatives)
         if args.drafter == "ngram+eagle":
             drafter = lookup_then_model(drafter)
     else:

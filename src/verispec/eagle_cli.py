@@ -12,7 +12,6 @@ from verispec.argtypes import positive_int
 
 
 def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
-    from verispec.bench.prompts import DEFAULT_SPEC_BENCH
     from verispec.models import DEFAULT_TARGET
 
     eagle = commands.add_parser("eagle", help="EAGLE draft head: extract target features, train, evaluate")
@@ -62,13 +61,8 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
 
     def eval_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--head", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/head.safetensors, else the head bundled for the target)")
-        sub.add_argument("--set", choices=["humaneval", "spec-bench"], default="humaneval", help="prompts: HumanEval problems (default) or Spec-Bench questions, with a line per category")
-        sub.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
-        sub.add_argument("--num-prompts", type=int, default=8, help="HumanEval prompts, or prompts per Spec-Bench category (default 8)")
-        sub.add_argument("--first-prompt", type=int, default=0, help="index of the first HumanEval problem (default 0, as the bench; e.g. 100 for a dev range the bench never runs)")
+        add_eval_prompt_options(sub, default_gamma=6)
         sub.add_argument("--teacher-forced", action="store_true", help="instead of decoding each prompt with drafts, record the target's greedy answers in batches and replay greedy decoding on them (exact greedy tau and acceptance by position; minutes faster, no timing)")
-        sub.add_argument("--gamma", type=int, default=6, help="drafts per round (default 6)")
-        sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
         sub.add_argument("--draft-quantize", choices=["int8", "none"], default="none", help="int8: the head with int8 linears (default none)")
         from verispec.far_memory_cli import add_far_memory_options
 
@@ -93,6 +87,25 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
     export.set_defaults(handler=_export)
 
 
+def add_eval_prompt_options(sub: argparse.ArgumentParser, default_gamma: int) -> None:
+    """The prompts and lengths of a head's evaluation (`eagle eval`, `parallel eval`)."""
+    from verispec.bench.prompts import DEFAULT_SPEC_BENCH
+
+    sub.add_argument("--set", choices=["humaneval", "spec-bench"], default="humaneval", help="prompts: HumanEval problems (default) or Spec-Bench questions, with a line per category")
+    sub.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
+    sub.add_argument("--num-prompts", type=int, default=8, help="HumanEval prompts, or prompts per Spec-Bench category (default 8)")
+    sub.add_argument("--first-prompt", type=int, default=0, help="index of the first HumanEval problem (default 0, as the bench; e.g. 100 for a dev range the bench never runs)")
+    sub.add_argument("--gamma", type=int, default=default_gamma, help=f"drafts per round (default {default_gamma})")
+    sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+
+
+def check_eval_prompt_options(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1 or args.gamma < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num-prompts, --gamma and --max-new-tokens must be >= 1")
+    if args.first_prompt < 0:
+        raise ValueError(f"--first-prompt must be >= 0, got {args.first_prompt}")
+
+
 def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     """(stdlib features dir, answers features dir, head file)."""
     from verispec.drafters.eagle import default_head_path
@@ -102,7 +115,7 @@ def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     return default.parent / "features", default.parent / "answers", Path(head)
 
 
-def _setup(args: argparse.Namespace):  # noqa: ANN202 - the loaded target
+def load_target(args: argparse.Namespace):  # noqa: ANN201 - the loaded target (--target, --threads, --target-dtype)
     import torch
 
     from verispec.cli import target_dtype
@@ -187,19 +200,19 @@ def _run_train(args: argparse.Namespace, target) -> None:  # noqa: ANN001
 
 def _extract(args: argparse.Namespace) -> int:
     _extract_settings(args)  # validate before minutes of loading
-    _run_extract(args, _setup(args))
+    _run_extract(args, load_target(args))
     return 0
 
 
 def _answers(args: argparse.Namespace) -> int:
     _answer_settings(args)  # validate before minutes of loading
-    _run_answers(args, _setup(args))
+    _run_answers(args, load_target(args))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
     _train_settings(args)
-    _run_train(args, _setup(args))
+    _run_train(args, load_target(args))
     return 0
 
 
@@ -207,7 +220,7 @@ def _build(args: argparse.Namespace) -> int:
     _answer_settings(args)
     _extract_settings(args)
     _train_settings(args)
-    target = _setup(args)
+    target = load_target(args)
     _run_extract(args, target)
     _run_answers(args, target)
     _run_train(args, target)
@@ -228,19 +241,15 @@ def _export(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from verispec.drafters.eagle import existing_head_path
-    from verispec.engine.stats import acceptance_by_position
     from verispec.far_memory_cli import far_memory_from_args
 
-    if args.num_prompts < 1 or args.gamma < 1 or args.max_new_tokens < 1:
-        raise ValueError("--num-prompts, --gamma and --max-new-tokens must be >= 1")
-    if args.first_prompt < 0:
-        raise ValueError(f"--first-prompt must be >= 0, got {args.first_prompt}")
+    check_eval_prompt_options(args)
     if args.teacher_forced and (args.draft_quantize != "none" or args.draft_attention != "full"):
         raise ValueError("--teacher-forced replays the head as trained: use it without --draft-quantize int8 or far-memory attention")
     far_memory = far_memory_from_args(args)  # before minutes of loading
-    prompts = _eval_prompts(args)
+    prompts = eval_prompts(args)
     head_path = existing_head_path(args.head, args.target, args.cache_dir)
-    target = _setup(args)
+    target = load_target(args)
     texts = [prompt.text for prompt in prompts]
     if args.teacher_forced:
         rounds = _replayed_rounds(args, target, head_path, texts)
@@ -248,6 +257,17 @@ def _eval(args: argparse.Namespace) -> int:
         rounds = _decoded_rounds(args, target, head_path, texts, far_memory)
     how = "replayed greedy decoding" if args.teacher_forced else "decoded"
     print(f"{head_path.name}, gamma {args.gamma}, {args.max_new_tokens} new tokens, {how}:")
+    print_rounds_by_category(prompts, rounds)
+    return 0
+
+
+def print_rounds_by_category(prompts: list, rounds: list[list[tuple[int, int]]]) -> None:
+    """tau, alpha and acceptance by draft position per category (and over all, when there are several).
+
+    rounds: (drafted, accepted) of each round, per prompt.
+    """
+    from verispec.engine.stats import acceptance_by_position
+
     categories = list(dict.fromkeys(prompt.category for prompt in prompts))  # in the order of the prompts
     for category in [*categories, "all"] if len(categories) > 1 else categories:
         pooled = [pair for prompt, pairs in zip(prompts, rounds) if category in ("all", prompt.category) for pair in pairs]
@@ -257,10 +277,9 @@ def _eval(args: argparse.Namespace) -> int:
         count = sum(1 for prompt in prompts if category in ("all", prompt.category))
         by_position = ", ".join(f"{rate:.2f}" for rate in acceptance_by_position(drafted, accepted))
         print(f"  {category:<14} {count:>3} prompts  tau {tau:.2f}  alpha {alpha:.3f}  acceptance by draft position: {by_position}")
-    return 0
 
 
-def _eval_prompts(args: argparse.Namespace) -> list:
+def eval_prompts(args: argparse.Namespace) -> list:
     """HumanEval problems first_prompt.. (num_prompts of them), or the first num_prompts of each Spec-Bench category."""
     from verispec.bench.prompts import first_per_category, humaneval_prompts, spec_bench_prompts
 
@@ -293,27 +312,35 @@ def _decoded_rounds(args: argparse.Namespace, target, head_path: Path, texts: li
 
 def _replayed_rounds(args: argparse.Namespace, target, head_path: Path, texts: list[str]) -> list[list[tuple[int, int]]]:  # noqa: ANN001
     """(drafted, accepted) of each round greedy decoding would run, replayed on the target's recorded answers, per text."""
+    from verispec.drafters.eagle import load_head
+    from verispec.drafters.eagle.acceptance import accepted_from_every_start, replay_rounds
+
+    head, vocab_ids = load_head(head_path, target.model)
+    lm_weight = target.model.get_output_embeddings().weight.detach().float()  # once, not per answer (a bfloat16 target)
+    lm_rows = lm_weight[vocab_ids] if vocab_ids is not None else lm_weight
+    embed = target.model.get_input_embeddings()
+    rounds = []
+    for prompt, tokens, features in recorded_answers(target, texts, args.max_new_tokens):
+        from_every_start = accepted_from_every_start(head, embed, lm_rows, vocab_ids, tokens, features, args.gamma, full_lm_head=lm_weight)
+        rounds.append(replay_rounds(from_every_start, len(prompt) - 2, len(tokens) + 1, args.gamma))
+    return rounds
+
+
+def recorded_answers(target, texts: list[str], max_new_tokens: int):  # noqa: ANN001, ANN201 - a LoadedModel -> Iterator
+    """(prompt ids, the fed text # [n] long, its features # [n, hidden]) per text: the target's greedy
+    answer to the chat-templated text, written 16 at a time, with the features that produced it.
+
+    The recorded answer leaves out its last token (emitted, never fed): the decoded sequence is n + 1 long.
+    """
     import torch
     from tqdm import tqdm
 
-    from verispec.drafters.eagle import load_head
-    from verispec.drafters.eagle.acceptance import accepted_from_every_start, replay_rounds
     from verispec.drafters.eagle.answers import greedy_answers, stop_and_pad_ids
     from verispec.models import encode_prompt
 
-    model, tokenizer = target.model, target.tokenizer
-    head, vocab_ids = load_head(head_path, model)
-    lm_weight = model.get_output_embeddings().weight.detach().float()  # once, not per answer (a bfloat16 target)
-    lm_rows = lm_weight[vocab_ids] if vocab_ids is not None else lm_weight
-    embed = model.get_input_embeddings()
     stop_ids, pad_id = stop_and_pad_ids(target)
     batch = 16  # answers written together: ~8x faster a token than one at a time here
-    rounds = []
     for begin in tqdm(range(0, len(texts), batch), desc="record + replay", unit="batch", file=sys.stderr):
-        prompts = [encode_prompt(tokenizer, text) for text in texts[begin : begin + batch]]
-        for prompt, (tokens, features) in zip(prompts, greedy_answers(model, prompts, args.max_new_tokens, stop_ids, pad_id)):
-            tokens = torch.tensor(tokens)
-            from_every_start = accepted_from_every_start(head, embed, lm_rows, vocab_ids, tokens, features, args.gamma, full_lm_head=lm_weight)
-            # the recorded answer leaves out its last token (emitted, never fed): the sequence is one longer
-            rounds.append(replay_rounds(from_every_start, len(prompt) - 2, len(tokens) + 1, args.gamma))
-    return rounds
+        prompts = [encode_prompt(target.tokenizer, text) for text in texts[begin : begin + batch]]
+        for prompt, (tokens, features) in zip(prompts, greedy_answers(target.model, prompts, max_new_tokens, stop_ids, pad_id)):
+            yield prompt, torch.tensor(tokens), features

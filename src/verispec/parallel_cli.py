@@ -42,6 +42,27 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
     train.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data order (default 0)")
     train.set_defaults(handler=_train)
 
+    from verispec.cli import add_target_dtype_option
+    from verispec.eagle_cli import add_eval_prompt_options
+
+    evaluate = steps.add_parser(
+        "eval",
+        help="greedy tau of the parallel head with and without contextual correction (and the EAGLE head), replayed on the target's recorded answers, per category",
+        description="Records the target's greedy answers (16 at a time) and replays greedy decoding on them for each drafter: exact greedy tau and "
+        "acceptance by draft position, no timing (`verispec bench` measures speed). Drafters: parallel (top-1 per position), parallel-corrected "
+        "(--candidates per position, the best path by pair fit) and, unless --no-eagle, the EAGLE head at the same gamma. Heads run as trained (float32).",
+    )
+    evaluate.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
+    evaluate.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
+    evaluate.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    add_target_dtype_option(evaluate, "precision the target runs in while recording its answers: float32 (default) or bfloat16")
+    add_eval_prompt_options(evaluate, default_gamma=5)
+    evaluate.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head (default <cache>/eagle/<target>/parallel.safetensors)")
+    evaluate.add_argument("--candidates", type=positive_int, default=3, metavar="M", help="candidates per position for the corrected drafter (default 3)")
+    evaluate.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head to compare with (default <cache>/eagle/<target>/head.safetensors, else the bundled head)")
+    evaluate.add_argument("--no-eagle", action="store_true", help="leave the EAGLE head out")
+    evaluate.set_defaults(handler=_eval)
+
 
 def _settings(args: argparse.Namespace):  # noqa: ANN202
     from verispec.drafters.parallel.train import ParallelTrainSettings
@@ -83,6 +104,48 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from verispec.drafters.eagle import load_head
+    from verispec.drafters.eagle.acceptance import accepted_from_every_start as eagle_accepted
+    from verispec.drafters.eagle.acceptance import replay_rounds
+    from verispec.drafters.eagle.checkpoint import find_head
+    from verispec.drafters.parallel import ParallelDrafter, load_parallel_head
+    from verispec.drafters.parallel.acceptance import accepted_from_every_start as parallel_accepted
+    from verispec.eagle_cli import check_eval_prompt_options, eval_prompts, load_target, print_rounds_by_category, recorded_answers
+
+    check_eval_prompt_options(args)  # before minutes of loading
+    prompts = eval_prompts(args)
+    head_path = parallel_head_path(args)
+    eagle_path = None if args.no_eagle else args.eagle_head or find_head(args.target, args.cache_dir)
+    if eagle_path is not None and not eagle_path.is_file():
+        raise FileNotFoundError(f"--eagle-head {str(eagle_path)!r} does not exist")
+    target = load_target(args)
+    head, vocab = load_parallel_head(head_path, target.model)
+    drafters = {
+        "parallel": ParallelDrafter(target, head, vocab, correction=False, candidates=1),
+        f"parallel-corrected (m={args.candidates})": ParallelDrafter(target, head, vocab, candidates=args.candidates),
+    }
+    lm_weight = target.model.get_output_embeddings().weight.detach().float()  # the target's argmax; float32 once (a bfloat16 target)
+    drafts = min(args.gamma, head.config.block_size)  # a parallel round drafts at most the head's K
+    # name -> (head file, drafts a round, accepted drafts from every start of a recorded text)
+    scorers = {name: (head_path, drafts, lambda tokens, features, first_row, drafter=drafter: parallel_accepted(drafter, tokens, features, drafts, lm_weight, first_row=first_row)) for name, drafter in drafters.items()}
+    if eagle_path is not None:
+        eagle, eagle_vocab = load_head(eagle_path, target.model)
+        eagle_rows = lm_weight[eagle_vocab] if eagle_vocab is not None else lm_weight
+        embed = target.model.get_input_embeddings()
+        scorers["eagle"] = (eagle_path, args.gamma, lambda tokens, features, first_row: eagle_accepted(eagle, embed, eagle_rows, eagle_vocab, tokens, features, args.gamma, full_lm_head=lm_weight))
+    rounds: dict[str, list] = {name: [] for name in scorers}
+    for prompt, tokens, features in recorded_answers(target, [prompt.text for prompt in prompts], args.max_new_tokens):
+        for name, (_, gamma, accepted_from_every_start) in scorers.items():
+            first_row = len(prompt) - 2  # the first round's catch-up row: the prompt but its last token is prefilled
+            rounds[name].append(replay_rounds(accepted_from_every_start(tokens, features, first_row), first_row, len(tokens) + 1, gamma))
+    for name, per_prompt in rounds.items():
+        path, gamma, _ = scorers[name]
+        print(f"{name} ({path.name}), {gamma} drafts a round, {args.max_new_tokens} new tokens, replayed greedy decoding:")
+        print_rounds_by_category(prompts, per_prompt)
+    return 0
+
+
 def add_parallel_drafter_options(sub: argparse.ArgumentParser) -> None:
     """``--drafter parallel``'s options, for every command that decodes with a drafter."""
     sub.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for --drafter parallel (default <cache>/eagle/<target>/parallel.safetensors, made by `verispec parallel train`)")
@@ -101,8 +164,11 @@ def parallel_head_path(args: argparse.Namespace) -> Path:
 def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path):  # noqa: ANN001, ANN201 - a LoadedModel -> ParallelDrafter
     from verispec.drafters.parallel import ParallelDrafter
 
+    from verispec.drafters.draft_model import TREE_ALTERNATIVES
+
     quantize = getattr(args, "draft_quantize", "none") == "int8"
-    return ParallelDrafter(target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize)
+    alternatives = TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0  # runner-ups only where trees verify them
+    return ParallelDrafter(target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives)
 
 
 def print_proposal_costs(args: argparse.Namespace, target, eagle_head: Path | None) -> None:  # noqa: ANN001 - a LoadedModel

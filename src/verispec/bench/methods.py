@@ -73,6 +73,7 @@ REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-ou
 # so that settings are compared side by side in one run (interleaved prompt by prompt, like methods).
 _DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft", "ngram+draft-adaptive")
 _EAGLE_METHODS = ("eagle", "eagle-adaptive", "ngram+eagle", "ngram+eagle-adaptive")  # (far-memory variants: as measured, no stop rule)
+_TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + ("parallel", "parallel-corrected")  # drafters offering runner-ups
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,8 @@ _OPTIONS = {
                     int, lambda v: v in (0, 1), lambda base: base in ("ngram", "ngram-adaptive"), "ngram, ngram-adaptive"),
     "screen": _Option("greedy target passes: 1 = the LM head's argmax through its exact int8 screen, 0 = every logit in float32 (the run's --greedy-lm-head otherwise)", int,
                       lambda v: v in (0, 1), lambda base: METHODS[base].family == "ours", "our methods"),
-    "tree": _Option("greedy verification passes of up to N rows, the spare ones filled with the draft model's runner-up tokens (a one-level draft tree); 0 = chains only (the run's --tree-rows otherwise)",
-                    int, lambda v: v >= 0, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
+    "tree": _Option("greedy verification passes of up to N rows, the spare ones filled with the draft model's, EAGLE head's or parallel head's runner-up tokens (a one-level draft tree); 0 = chains only (the run's --tree-rows otherwise)",
+                    int, lambda v: v >= 0, lambda base: base in _TREE_METHODS, ", ".join(_TREE_METHODS)),
     "dhead": _Option("draft model: 1 = greedy draft steps read the LM head through its 4-bit screen, 0 = the int8 head (the run's --draft-greedy-head otherwise)", int,
                      lambda v: v in (0, 1), lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "dwin": _Option("draft model: it sees only the last N prompt tokens; 0 = the whole prompt (the run's --draft-window otherwise)", int,
@@ -356,7 +357,8 @@ def build_method(
 
         mode = {"eagle-local": "local", "eagle-fold": "fold"}.get(name.removesuffix("-adaptive"))
         settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
-        drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path)
+        alternatives = TREE_ALTERNATIVES if tree_rows else 0  # runner-ups only where trees verify them
+        drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path, alternatives=alternatives)
         if name.startswith("ngram+"):
             drafter = lookup_then_model(drafter)
     elif name.startswith("parallel"):
@@ -364,7 +366,8 @@ def build_method(
 
         if parallel_head is None:
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
-        drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, name=name)
+        alternatives = TREE_ALTERNATIVES if tree_rows else 0
+        drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, alternatives=alternatives, name=name)
     elif name.startswith("ngram+"):
         model_drafter = settings.build(draft, name=draft.name)
         drafter = lookup_then_model(model_drafter)

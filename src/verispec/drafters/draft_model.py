@@ -211,6 +211,21 @@ def round_stops(token_prob: float, path_prob: float, confidence_threshold: float
     return path_confidence is not None and path_prob < path_confidence
 
 
+def runner_ups(
+    probs: torch.Tensor,  # [draft_vocab]: one greedy draft step's distribution
+    index: int,  # the drafted entry (its argmax)
+    count: int,  # runner-ups wanted
+    vocab_ids: torch.Tensor | None,  # [draft_vocab] int64 token id of each entry; None: entry i is token i
+) -> list[tuple[int, float]]:
+    """(token id, probability) of the ``count`` most probable entries other than the drafted ``index``
+    (excluded by index, not by rank: under a tie topk may rank another entry first): the
+    alternatives a greedy drafter offers for draft trees (:attr:`Proposal.alternatives`)."""
+    if count <= 0:
+        return []
+    ranked = [other for other in probs.topk(count + 1).indices.tolist() if other != index]
+    return [(other if vocab_ids is None else int(vocab_ids[other]), float(probs[other])) for other in ranked[:count]]
+
+
 class DraftModelSession:
     def __init__(
         self,
@@ -293,12 +308,7 @@ class DraftModelSession:
         return self._token_id(index), float(probs[index]), full_vocab_probs(probs, self.vocab_ids, self.vocab_size), []
 
     def _runner_ups(self, probs: torch.Tensor, index: int) -> list[tuple[int, float]]:
-        """The ``alternatives`` most probable tokens of probs # [draft_vocab] other than the drafted
-        ``index`` (excluded by index, not by rank: under a tie topk may rank another token first)."""
-        if not self.alternatives:
-            return []
-        ranked = [other for other in probs.topk(self.alternatives + 1).indices.tolist() if other != index]
-        return [(self._token_id(other), float(probs[other])) for other in ranked[: self.alternatives]]
+        return runner_ups(probs, index, self.alternatives, self.vocab_ids)
 
     def _token_id(self, index: int) -> int:
         """The vocabulary id of draft-vocabulary logit ``index``."""

@@ -66,8 +66,10 @@ class SpeculativeDecoder:
     the target runs our float32 panel kernels (:mod:`verispec.models.screened_head`): the same tokens,
     ~20 ms less per pass of the 1.5B target here; False computes every logit in float32.
     ``tree_rows``: greedy passes fill up to this many rows (the chain's included) with the drafter's
-    runner-up tokens (:attr:`Proposal.alternatives`, e.g. ``DraftModel(alternatives=2)``; a
-    drafter that offers none drafts chains as before), best-scored first, where the target runs the
+    runner-up tokens (:attr:`Proposal.alternatives`, e.g. ``DraftModel(alternatives=2)``,
+    ``EagleDrafter(alternatives=2)``; a drafter that offers none drafts chains as before; a
+    feature-reading drafter is handed a kept branch row's feature where the rejected draft's
+    stood), best-scored first, where the target runs the
     fused lean stack: a one-level draft tree. When the chain is rejected at a position where a
     runner-up is the target's token, that token and the target's next one are emitted too (exact:
     each branch row is computed bit for bit as that token fed in the chain). 0: chains only.
@@ -173,9 +175,8 @@ class SpeculativeDecoder:
         stats = GenerationStats(prompt_tokens=len(prompt))
         target = target_lm(self.target, screen_lm_head=self.screen_lm_head, prefixes=self.prefix_cache)
         wants_features = bool(self.drafter is not None and self.drafter.needs_target_features)
-        # Draft trees: greedy passes only (the branch rule below is greedy verification), and not for
-        # feature-reading drafters (they would need the kept branch's features handed over).
-        tree_rows = min(self.tree_rows, target.max_branch_rows()) if sampling.is_greedy and not wants_features else 0
+        # Draft trees: greedy passes only (the branch rule below is greedy verification).
+        tree_rows = min(self.tree_rows, target.max_branch_rows()) if sampling.is_greedy else 0
         session = self.drafter.start(prompt, sampling) if self.drafter is not None else None
         tokens = list(prompt)
         controller = self._gamma_controller
@@ -212,18 +213,22 @@ class SpeculativeDecoder:
                         output, num_accepted = verify_drafts(drafts, None, forward.logits[: len(drafts) + 1], sampling, generator)
                         kept = accepted_branch(num_accepted, output[-1], branches)
                         stats.branches_verified += len(branches)
+                        fed_rows = list(range(num_accepted + 1))  # rows of the pass whose tokens are now committed
                         if kept is not None:  # the runner-up was the target's token: emit it and the target's next
                             row = len(drafts) + 1 + kept
                             target.keep_branch(len(tokens) + len(drafts) + kept, len(tokens) + num_accepted)
                             output, num_accepted = output + [int(forward.logits[row].argmax())], num_accepted + 1
+                            fed_rows.append(row)  # the branch row stands where the rejected draft's stood
                             stats.branches_accepted += 1
+                        kept_features = forward.features[fed_rows] if wants_features else None
                     else:
                         forward = target.extend([tokens[-1]] + drafts, num_logits=len(drafts) + 1, argmax_only=sampling.is_greedy)
                         output, num_accepted = verify_drafts(drafts, proposal.probs, forward.logits, sampling, generator)
+                        kept_features = forward.features[: num_accepted + 1] if wants_features else None
                     # Keep the cache at committed-minus-last: drop the rejected drafts' keys/values.
                     target.crop(len(tokens) + num_accepted)
-                    if wants_features:
-                        unseen_features.append(forward.features[: num_accepted + 1])
+                    if kept_features is not None:
+                        unseen_features.append(kept_features)
                 new_tokens, stopped = stopper.cut(output[: num_accepted + 1])
                 tokens.extend(new_tokens)
                 stats.record_round(len(drafts), num_accepted, len(new_tokens), proposal.num_forward_passes)

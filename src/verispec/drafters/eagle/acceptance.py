@@ -37,10 +37,7 @@ def accepted_from_every_start(
     full_lm_head: torch.Tensor | None = None,  # [vocab, hidden]: the target's argmax; default lm_rows (vocab_ids None)
 ) -> torch.Tensor:
     """Drafts accepted (0..gamma) by a greedy round whose catch-up ends at row r, for r = 0..n-3 # [n-2]."""
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
-    if tokens.ndim != 1 or features.ndim != 2 or len(tokens) != len(features):
-        raise ValueError(f"tokens # [n] and features # [n, hidden] must have the same length, got {tuple(tokens.shape)} and {tuple(features.shape)}")
+    check_recorded_text(tokens, features, gamma)
     num_tokens = len(tokens)
     if num_tokens < 3:
         return torch.zeros(0, dtype=torch.long)
@@ -50,23 +47,42 @@ def accepted_from_every_start(
         full_lm_head = lm_rows
     features, lm_rows = features.float(), lm_rows.float()  # no-ops for float32 inputs
     steps = head.unrolled(features[None, :-1], embed(tokens[None, 1:]).float(), min(gamma, num_tokens - 2))
-    # the target's choice for x_{i+1} (read at f_i), and whether the text took it
-    target_choice = F.linear(features, full_lm_head.float()).argmax(-1)  # [n]
-    text_is_target = torch.zeros(num_tokens + gamma, dtype=torch.bool)  # padded: positions past the end never match
-    text_is_target[1:num_tokens] = tokens[1:] == target_choice[:-1]  # at index t: x_t is the target's choice
-    padded_tokens = torch.cat((tokens, torch.full((gamma,), -1, dtype=tokens.dtype)))
     num_starts = num_tokens - 2
     starts = torch.arange(num_starts)
-    matches = torch.zeros(num_starts, gamma, dtype=torch.bool)
+    drafted = torch.full((num_starts, len(steps)), -2, dtype=torch.long)  # [starts, steps]: -2 past the text's end
     for step, predicted in enumerate(steps):  # step k = step+1 predicts x_{r+k+1} at row r+k-1
         drafts = (predicted[0].float() @ lm_rows.T).argmax(-1)  # [n-1] row of each step's draft
         drafts = vocab_ids[drafts] if vocab_ids is not None else drafts  # [n-1] token of row i's step
         rows = starts + step  # row r+k-1
         valid = rows < num_tokens - 1
-        drafted = torch.full((num_starts,), -2, dtype=torch.long)
-        drafted[valid] = drafts[rows[valid]]
-        position = starts + step + 2  # the drafted token's position r+k+1
-        matches[:, step] = (drafted == padded_tokens[position]) & text_is_target[position]
+        drafted[valid, step] = drafts[rows[valid]]
+    return accepted_prefixes(drafted, tokens, features, full_lm_head)
+
+
+def check_recorded_text(tokens: torch.Tensor, features: torch.Tensor, gamma: int) -> None:
+    """ValueError unless gamma >= 1 and tokens # [n] line up with features # [n, hidden]."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    if tokens.ndim != 1 or features.ndim != 2 or len(tokens) != len(features):
+        raise ValueError(f"tokens # [n] and features # [n, hidden] must have the same length, got {tuple(tokens.shape)} and {tuple(features.shape)}")
+
+
+def accepted_prefixes(
+    drafted: torch.Tensor,  # [n-2, g] long: draft k+1 of the round starting at row r is drafted[r, k], a guess of x_{r+k+2}
+    tokens: torch.Tensor,  # [n] int64: the text
+    features: torch.Tensor,  # [n, hidden]: the target's features on it
+    full_lm_head: torch.Tensor,  # [vocab, hidden]: the target's argmax
+) -> torch.Tensor:
+    """Drafts a greedy round starting at each row r accepts # [n-2]: the longest prefix of its drafts that
+    equals the text, where the text at each drafted position is the target's own argmax."""
+    num_tokens, gamma = len(tokens), drafted.shape[1]
+    # the target's choice for x_{i+1} (read at f_i), and whether the text took it
+    target_choice = F.linear(features.float(), full_lm_head.float()).argmax(-1)  # [n]
+    text_is_target = torch.zeros(num_tokens + gamma, dtype=torch.bool)  # padded: positions past the end never match
+    text_is_target[1:num_tokens] = tokens[1:] == target_choice[:-1]  # at index t: x_t is the target's choice
+    padded_tokens = torch.cat((tokens, torch.full((gamma,), -1, dtype=tokens.dtype)))
+    position = torch.arange(len(drafted))[:, None] + 2 + torch.arange(gamma)  # [n-2, g]: x_{r+k+2}
+    matches = (drafted == padded_tokens[position]) & text_is_target[position]
     return matches.long().cumprod(dim=1).sum(dim=1)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
-from verispec.drafters.draft_model import round_stops
+from verispec.drafters.draft_model import round_stops, runner_ups
 from verispec.drafters.draft_vocab import full_vocab_probs, reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
@@ -49,6 +49,9 @@ class EagleDrafter:
     ``path_confidence``: stop a round early once the product of the head's probabilities of this
     round's drafts falls below this (the draft model's rule, :func:`round_stops`): long rounds where
     the head is sure, short ones where it is not. Reads only the head's outputs, so still exact.
+    ``alternatives``: in greedy decoding, offer this many runner-up tokens per draft
+    (:attr:`Proposal.alternatives`, scored by the head's probability of the path to them), which a
+    decoder with ``tree_rows`` verifies beside the chain as a one-level draft tree; 0 (default): none.
     """
 
     needs_target_features = True
@@ -63,10 +66,14 @@ class EagleDrafter:
         quantize: bool = False,
         far_memory: FarMemoryConfig | None = None,
         path_confidence: float | None = None,
+        alternatives: int = 0,
         name: str = "eagle",
     ) -> None:
         if path_confidence is not None and not 0.0 <= path_confidence < 1.0:
             raise ValueError(f"path_confidence must be in [0, 1) or None, got {path_confidence}")
+        if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
+            raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
+        self.alternatives = alternatives
         target_model, self.tokenizer, self.head, draft_vocab = resolve_head(target, head, draft_vocab, EagleHead, load_head, "EagleDrafter", quantize=quantize)
         if far_memory is not None and not isinstance(far_memory, FarMemoryConfig):
             raise ValueError(f"far_memory must be a FarMemoryConfig or None, got {type(far_memory).__name__}")
@@ -103,12 +110,17 @@ class EagleSession:
         feature = self.next_feature[None]  # [1, hidden]
         tokens: list[int] = []
         step_probs: list[torch.Tensor] = []
+        alternatives: list[tuple[int, int, float]] = []  # (draft index, runner-up token, the head's probability of the path to it)
         path_prob = 1.0  # the head's probability of this round's drafts so far
         while True:
             logits = drafter.draft_logits(feature)[0]  # [draft_vocab]
             if self.sampling.is_greedy:
                 index = int(logits.argmax())
-                token_prob = float(torch.softmax(logits, -1)[index]) if drafter.path_confidence is not None else 1.0
+                token_prob = 1.0  # not needed without a stop rule or runner-ups
+                if drafter.path_confidence is not None or drafter.alternatives:
+                    probs = torch.softmax(logits, -1)  # [draft_vocab]
+                    token_prob = float(probs[index])
+                    alternatives += [(len(tokens), other, path_prob * prob) for other, prob in runner_ups(probs, index, drafter.alternatives, drafter.vocab_ids)]
             else:
                 probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
                 index = int(sample_from(probs, generator))
@@ -124,7 +136,7 @@ class EagleSession:
             passes += 1
         self.cache.crop(self.num_real)  # drafted positions go; the next round feeds real features there
         probs = torch.stack(step_probs) if step_probs else None
-        return Proposal(tokens=tokens, probs=probs, num_forward_passes=passes)
+        return Proposal(tokens=tokens, probs=probs, num_forward_passes=passes, alternatives=alternatives)
 
     def _catch_up(self, context: DraftContext) -> int:
         """Feed the head every real feature it has not seen; return the number of head calls (0 or 1)."""

@@ -1,8 +1,9 @@
 """Parallel drafting with contextual correction (DCOCO): K drafts from one head pass.
 
 ``head`` (the module: context encoder + K mask slots), ``lattice`` (best paths through the
-K×m candidates), ``drafter`` (the Drafter implementation), ``checkpoint`` (bound to one target)
-and ``train`` (on the EAGLE pipeline's feature shards).
+K×m candidates), ``drafter`` (the Drafter implementation), ``checkpoint`` (bound to one target),
+``train`` (on the EAGLE pipeline's feature shards) and ``acceptance`` (greedy rounds replayed on
+recorded text: ``verispec parallel eval``).
 """
 
 from verispec.drafters.parallel.checkpoint import default_parallel_path, existing_parallel_path, load_parallel_head, save_parallel_head

@@ -22,7 +22,9 @@ output distribution stays exactly the target's.
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +46,9 @@ class ParallelDrafter:
     one head pass). ``draft_vocab``: token ids the LM head is restricted to (a checkpoint brings its own).
     ``quantize=True``: int8 dynamic linears for a copy of the head and for its LM-head rows, as the
     EAGLE drafter offers (cheaper block passes; the drafts may differ, the output stays exact).
+    ``alternatives``: in greedy decoding, offer this many runner-up candidates per position
+    (:attr:`Proposal.alternatives`, scored by q_draft of the drafted path before them times their
+    own), which a decoder with ``tree_rows`` verifies beside the path as a one-level draft tree.
     """
 
     needs_target_features = True
@@ -58,6 +63,7 @@ class ParallelDrafter:
         candidates: int = 3,
         correction: bool = True,
         quantize: bool = False,
+        alternatives: int = 0,
         name: str = "parallel",
     ) -> None:
         target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, ParallelHead, load_parallel_head, "ParallelDrafter", quantize=quantize)
@@ -66,8 +72,10 @@ class ParallelDrafter:
             raise ValueError(f"block_size must be an integer in [1, {head.config.block_size}] (the head's K), got {block_size!r}")
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
+        if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
+            raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
         self.head = head
-        self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
+        self.block_size, self.candidates, self.correction, self.alternatives, self.name = block_size, candidates, correction, alternatives, name
         self.embed = target_model.get_input_embeddings()
         target_lm_head = target_model.get_output_embeddings()
         self.vocab_ids, self.lm_head = reduced_lm_head(target_lm_head, draft_vocab, quantize=quantize)
@@ -75,16 +83,102 @@ class ParallelDrafter:
         # head, shared, whatever precision the drafting head runs in.
         self.lm_head_rows = target_lm_head.weight  # [vocab, hidden]
         draft_vocab_size = int(target_lm_head.weight.shape[0] if self.vocab_ids is None else len(self.vocab_ids))
-        if candidates > draft_vocab_size:
-            raise ValueError(f"candidates ({candidates}) exceeds the draft vocabulary ({draft_vocab_size} tokens)")
+        if max(candidates, alternatives + 1) > draft_vocab_size:
+            raise ValueError(f"candidates ({candidates}) or alternatives + 1 ({alternatives + 1}) exceeds the draft vocabulary ({draft_vocab_size} tokens)")
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "ParallelSession":
-        return ParallelSession(self)
+        return ParallelSession(self, self.alternatives if sampling.is_greedy else 0)  # trees are verified greedily only
+
+
+@dataclass
+class BlockDrafts:
+    """What :func:`draft_paths` drafted for B rows, and the lattice it chose from."""
+
+    tokens: torch.Tensor  # [B, count] long: the drafted path's token ids
+    passes: int  # head passes run: 1, or 2 with correction
+    log_probs: torch.Tensor  # [B, count, width]: log q_draft of each position's candidates, best first
+    candidates: torch.Tensor  # [B, count, width] long: their token ids
+    choice: torch.Tensor  # [B, count] long: the drafted candidate's rank at each position
+
+
+def draft_paths(
+    drafter: ParallelDrafter,
+    encoded: list,  # per layer (keys, values) # [1, kv_heads, P, head_dim]: the context, shared by every row
+    anchors: torch.Tensor,  # [B, hidden]: h of each row's last visible context position
+    starts: torch.Tensor,  # [B] long: each row's block position (its context length L)
+    count: int,  # drafts per row, 1 .. the head's K
+    visible: torch.Tensor | None = None,  # [B, P] bool: context positions each row sees (None: all)
+    width: int | None = None,  # candidates ranked per position (default: the drafter's m; more for runner-ups)
+) -> BlockDrafts:
+    """The drafted path of each of B rows (the lattice of the drafter's m best per position).
+
+    B rows drafted at once: a round of decoding (B = 1) or every start of a recorded text
+    (:mod:`verispec.drafters.parallel.acceptance`), the same arithmetic either way.
+    """
+    head = drafter.head
+    hidden = head.draft_block(encoded, anchors, starts, context_visible=visible)[:, :count]  # [B, count, hidden]
+    if head.config.first_from_anchor:  # the first draft as EAGLE makes it (see ParallelConfig)
+        hidden = torch.cat((head.norm(anchors)[:, None], hidden[:, 1:]), dim=1)
+    log_probs = drafter.lm_head(hidden).float().log_softmax(-1)  # [B, count, draft_vocab]
+    ranked, index = log_probs.topk(max(drafter.candidates, width or 0), dim=-1)  # [B, count, width]: best first
+    unary, lattice = ranked[..., : drafter.candidates], index[..., : drafter.candidates]  # [B, count, m]
+    choice = torch.zeros(index.shape[:2], dtype=torch.long)  # [B, count]: top-1 per position
+    passes = 1
+    if drafter.correction and count > 1 and drafter.candidates > 1:
+        pair = _pair_fit(drafter, encoded, anchors, starts, lattice, visible)  # [B, count-1, m, m]
+        choice = torch.stack([best_path(unary[row], pair[row])[0] for row in range(len(index))])
+        passes = 2
+    token_ids = index if drafter.vocab_ids is None else drafter.vocab_ids[index]  # [B, count, width]
+    return BlockDrafts(token_ids.gather(-1, choice[..., None])[..., 0], passes, ranked, token_ids, choice)
+
+
+def path_runner_ups(drafts: BlockDrafts, row: int, count: int) -> list[tuple[int, int, float]]:
+    """(position i, token, score) of the ``count`` best other candidates at each position of one
+    row's path: score = q_draft(path[:i]) · q_draft_i(token), from the block's own per-position
+    distributions (the path's probability up to i and the runner-up's at i)."""
+    if count <= 0:
+        return []
+    log_probs, candidates, choice = drafts.log_probs[row], drafts.candidates[row], drafts.choice[row].tolist()
+    alternatives, path = [], 0.0  # path: log q_draft of the drafted tokens before position i
+    for position, chosen in enumerate(choice):
+        others = [rank for rank in range(candidates.shape[1]) if rank != chosen][:count]
+        alternatives += [(position, int(candidates[position, rank]), math.exp(path + float(log_probs[position, rank]))) for rank in others]
+        path += float(log_probs[position, chosen])
+    return alternatives
+
+
+def _pair_fit(
+    drafter: ParallelDrafter,
+    encoded: list,  # per layer # [1, kv_heads, P, head_dim]
+    anchors: torch.Tensor,  # [B, hidden]
+    starts: torch.Tensor,  # [B] long
+    index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
+    visible: torch.Tensor | None,  # [B, P] bool or None
+) -> torch.Tensor:
+    """pair[b, i, c, c'] # [B, count-1, m, m] from one batched pass of B·(count-1)·m blocks: slot i known as candidate c."""
+    batch, count, width = index.shape
+    block, hidden_size = drafter.head.config.block_size, drafter.head.config.hidden_size
+    per_row = (count - 1) * width  # blocks per drafted row
+    rows = batch * per_row
+    position = torch.arange(count - 1).repeat_interleave(width).repeat(batch)  # [rows]: the known slot i of each block
+    owner = torch.arange(batch).repeat_interleave(per_row)  # [rows]: the drafted row each block belongs to
+    tokens = index[:, :-1].reshape(-1)  # [rows]: candidate c at i
+    tokens = tokens if drafter.vocab_ids is None else drafter.vocab_ids[tokens]
+    known = torch.zeros(rows, block, dtype=torch.bool)
+    known[torch.arange(rows), position] = True
+    known_embeds = torch.zeros(rows, block, hidden_size)
+    known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
+    row_visible = None if visible is None else visible[owner]
+    hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible)  # [rows, K, hidden]
+    following = hidden[torch.arange(rows), position + 1].view(batch, count - 1, width, hidden_size)  # ĥ_{i+1}
+    following_ids = index[:, 1:] if drafter.vocab_ids is None else drafter.vocab_ids[index[:, 1:]]  # [B, count-1, m] token ids
+    candidate_rows = drafter.lm_head_rows[following_ids].float()  # [B, count-1, m, hidden]: W rows of the candidates at i+1
+    return torch.einsum("bich,bijh->bicj", following, candidate_rows).log_softmax(-1)
 
 
 class ParallelSession:
-    def __init__(self, drafter: ParallelDrafter) -> None:
-        self.drafter = drafter
+    def __init__(self, drafter: ParallelDrafter, alternatives: int = 0) -> None:
+        self.drafter, self.alternatives = drafter, alternatives
         self.caches = [LayerKVCache() for _ in drafter.head.layers]
         self.num_real = 0  # context positions encoded (0 .. num_real-1), all with real target features
         self.anchor: torch.Tensor | None = None  # [1, hidden]: output h of the last encoded position
@@ -97,42 +191,9 @@ class ParallelSession:
             return Proposal(tokens=[], probs=None, num_forward_passes=passes)  # no features yet (1-token prompt)
         count = min(drafter.block_size, max_tokens)
         encoded = [cached(cache) for cache in self.caches]
-        start = torch.tensor([self.num_real])
-        hidden = drafter.head.draft_block(encoded, self.anchor, start)[0, :count]  # [count, hidden]
-        if drafter.head.config.first_from_anchor:  # the first draft as EAGLE makes it (see ParallelConfig)
-            hidden = torch.cat((drafter.head.norm(self.anchor), hidden[1:]))
-        log_probs = drafter.lm_head(hidden).float().log_softmax(-1)  # [count, draft_vocab]
-        unary, index = log_probs.topk(drafter.candidates, dim=-1)  # [count, m]: candidates, best first
-        passes += 1
-        choice = torch.zeros(count, dtype=torch.long)  # top-1 per position
-        if drafter.correction and count > 1 and drafter.candidates > 1:
-            choice, _ = best_path(unary, self._pair_fit(encoded, start, index))
-            passes += 1
-        chosen = index[torch.arange(count), choice]
-        tokens = chosen if drafter.vocab_ids is None else drafter.vocab_ids[chosen]
-        return Proposal(tokens=tokens.tolist(), probs=None, num_forward_passes=passes)
-
-    def _pair_fit(self, encoded: list, start: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """pair[i, c, c'] # [count-1, m, m] from one batched pass: slot i known as candidate c.
-
-        index: # [count, m] candidate indices into the draft vocabulary.
-        """
-        drafter = self.drafter
-        count, width = index.shape
-        block, hidden_size = drafter.head.config.block_size, drafter.head.config.hidden_size
-        rows = (count - 1) * width
-        position = torch.arange(count - 1).repeat_interleave(width)  # [rows]: the known slot i of each row
-        tokens = index[:-1].reshape(-1)  # [rows]: candidate c at i
-        tokens = tokens if drafter.vocab_ids is None else drafter.vocab_ids[tokens]
-        known = torch.zeros(rows, block, dtype=torch.bool)
-        known[torch.arange(rows), position] = True
-        known_embeds = torch.zeros(rows, block, hidden_size)
-        known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
-        hidden = drafter.head.draft_block(encoded, self.anchor, start.expand(rows), known_embeds, known)  # [rows, K, hidden]
-        following = hidden[torch.arange(rows), position + 1].view(count - 1, width, hidden_size)  # ĥ_{i+1}
-        following_ids = index[1:] if drafter.vocab_ids is None else drafter.vocab_ids[index[1:]]  # [count-1, m] token ids
-        candidate_rows = drafter.lm_head_rows[following_ids].float()  # [count-1, m, hidden]: W rows of the candidates at i+1
-        return torch.einsum("ich,ijh->icj", following, candidate_rows).log_softmax(-1)
+        drafts = draft_paths(drafter, encoded, self.anchor, torch.tensor([self.num_real]), count, width=self.alternatives + 1)
+        alternatives = path_runner_ups(drafts, 0, self.alternatives)
+        return Proposal(tokens=drafts.tokens[0].tolist(), probs=None, num_forward_passes=passes + drafts.passes, alternatives=alternatives)
 
     def _catch_up(self, context: DraftContext) -> int:
         """Encode every real feature the head has not seen; return the number of head calls (0 or 1)."""

@@ -10,13 +10,19 @@ Block: K learned query vectors ("mask tokens") m_0..m_{K-1} sit at positions L..
 to every cached context position and to each other (bidirectional inside the block), and slot j
 is read out through the target's frozen LM head as the draft distribution of x_{L+1+j}:
 
-    b_j = m_j + h_{L-1}                          (slot j unknown)
-    b_j = m_j + h_{L-1} + known(embed(c))        (slot j given as the KNOWN token c = x_{L+1+j})
+    b_j = fc( [m_j ; norm(h_{L-1})] )            (slot j unknown: m_j a learned "mask token" embedding)
+    b_j = fc( [embed(c) ; norm(h_{L-1})] )       (slot j given as the KNOWN token c = x_{L+1+j})
     q_draft(x_{L+1+j}) = softmax( W · norm( layers( b | context ) )_j )
 
-h_{L-1} is the last context row's output (before the final norm): every slot starts from the
-context's own guess of the next feature — with EAGLE's weights, EAGLE's prediction of f_L — and
-attention refines it, so the slots need not first learn to find the last row among hundreds.
+norm(h_{L-1}) is the last context row's normed output: the context's own guess of the next
+feature — with EAGLE's weights, EAGLE's prediction of f_L — so every slot enters like a context
+row, through the same fc, with a token embedding (real or mask) beside a feature, and attention
+refines it: the slots need not first learn to find the last row among hundreds.
+
+Heads made before 2026-12-04 (``slot_input="add"``, read from files without the key) summed
+instead, b_j = m_j + h_{L-1} (+ known(embed(c))): with h's norm ~150 and m_j's ~3 after training,
+every slot drafted nearly the anchor's token and a known slot hardly moved its neighbours (measured:
+contextual correction never changed a path) — hence the fc input.
 
 Known slots are what contextual correction conditions on (training draws them at random so
 that input is in-distribution). The decoder layer is the Llama/Qwen2 block EAGLE uses, so the
@@ -52,19 +58,22 @@ class ParallelConfig(EagleConfig):
     block_size: int = 4
     num_layers: int = 1
     first_from_anchor: bool = False
+    slot_input: str = "add"  # "fc" (new heads) or "add" (what files written before the key existed mean)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.slot_input not in ("fc", "add"):
+            raise ValueError(f"ParallelConfig.slot_input must be 'fc' or 'add', got {self.slot_input!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"ParallelConfig.block_size must be a positive integer, got {self.block_size!r}")
         if self.num_layers not in (1, 2):
             raise ValueError(f"ParallelConfig.num_layers must be 1 or 2, got {self.num_layers!r}")
 
     @classmethod
-    def for_target(cls, target_config, intermediate_size: int | None = None, block_size: int = 4, num_layers: int = 1, first_from_anchor: bool = False) -> "ParallelConfig":  # noqa: ANN001
+    def for_target(cls, target_config, intermediate_size: int | None = None, block_size: int = 4, num_layers: int = 1, first_from_anchor: bool = False, slot_input: str = "fc") -> "ParallelConfig":  # noqa: ANN001
         """The head shape that fits a Llama/Qwen2/Mistral-family target config."""
         layer = EagleConfig.for_target(target_config, intermediate_size)
-        return cls(**dataclasses.asdict(layer), block_size=block_size, num_layers=num_layers, first_from_anchor=first_from_anchor)
+        return cls(**dataclasses.asdict(layer), block_size=block_size, num_layers=num_layers, first_from_anchor=first_from_anchor, slot_input=slot_input)
 
 
 class DecoderLayer(nn.Module):
@@ -145,7 +154,8 @@ class ParallelHead(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.mask_embeds = nn.Parameter(torch.empty(config.block_size, hidden))  # m_j, one per block slot
-        self.known = nn.Linear(hidden, hidden, bias=False)  # a known slot's token embedding -> its input
+        if config.slot_input == "add":
+            self.known = nn.Linear(hidden, hidden, bias=False)  # a known slot's token embedding -> its input
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.reset_parameters()
@@ -197,9 +207,17 @@ class ParallelHead(nn.Module):
     ) -> torch.Tensor:
         """Normed features of the K block slots # [batch, K, hidden]; slot j drafts x_{L+1+j}."""
         block = self.config.block_size
-        hidden = self.mask_embeds + anchor[:, None]  # [batch, K, hidden]
-        if known is not None:
-            hidden = hidden + self.known(known_embeds) * known[..., None]
+        if self.config.slot_input == "fc":
+            batch = max(len(anchor), len(block_start))
+            slots = self.mask_embeds.expand(batch, block, -1)  # [batch, K, hidden]: token embeddings, masks where unknown
+            if known is not None:
+                slots = torch.where(known[..., None], known_embeds, slots)
+            guess = self.norm(anchor)[:, None].expand(batch, block, -1)  # [batch, K, hidden]: the next-feature guess
+            hidden = self.fc(torch.cat((slots, guess), dim=-1))
+        else:
+            hidden = self.mask_embeds + anchor[:, None]  # [batch, K, hidden]
+            if known is not None:
+                hidden = hidden + self.known(known_embeds) * known[..., None]
         positions = block_start[:, None] + torch.arange(block, device=block_start.device)  # [batch, K]
         cos, sin = self._rope(positions)
         cos, sin = cos[:, None], sin[:, None]  # [batch, 1, K, head_dim]
