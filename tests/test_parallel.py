@@ -262,7 +262,7 @@ def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
 def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_head, correction, candidates):
     # Teacher-forced replay (parallel eval) must count exactly the drafts the engine accepts on
     # the target's own greedy answer: same rounds, same drafted and accepted per round.
-    from verispec.drafters.eagle.acceptance import replay_rounds
+    from verispec.drafters.eagle.acceptance import replay_rounds, target_choices
 
     torch.manual_seed(3)
     config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
@@ -274,15 +274,15 @@ def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_hea
     text = prompt + result.token_ids[:-1]  # the last token is emitted, never fed
     with torch.no_grad():
         features = target.model(torch.tensor([text])).last_hidden_state[0]
-    lm_head = target.get_output_embeddings().weight
-    accepted = accepted_from_every_start(drafter, torch.tensor(text), features, 3, lm_head, starts_per_call=4)
-    assert torch.equal(accepted_from_every_start(drafter, torch.tensor(text), features, 3, lm_head, first_row=len(prompt) - 2)[len(prompt) - 2 :], accepted[len(prompt) - 2 :])
+    choice = target_choices(features, target.get_output_embeddings().weight)
+    accepted = accepted_from_every_start(drafter, torch.tensor(text), features, 3, choice, starts_per_call=4)
+    assert torch.equal(accepted_from_every_start(drafter, torch.tensor(text), features, 3, choice, first_row=len(prompt) - 2)[len(prompt) - 2 :], accepted[len(prompt) - 2 :])
     rounds = replay_rounds(accepted, len(prompt) - 2, len(text) + 1, 3)
     engine_rounds = list(zip(result.stats.drafted_per_round, result.stats.accepted_per_round))
     assert rounds == engine_rounds
     assert sum(accepted for _, accepted in rounds) > 0  # the test sees acceptance, not only rejections
     with pytest.raises(ValueError, match="gamma"):
-        accepted_from_every_start(drafter, torch.tensor(text), features, 0, lm_head)
+        accepted_from_every_start(drafter, torch.tensor(text), features, 0, choice)
 
 
 def test_sampled_tokens_follow_the_target_distribution():

@@ -73,12 +73,12 @@ def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | N
 
 def draft_model_settings(args: argparse.Namespace):  # noqa: ANN201 - DraftModelSettings (imported lazily)
     """The draft model's settings from the ``--draft-*`` options (0 turns the confidence stops and the vocabulary off)."""
-    from verispec.drafters.draft_model import TREE_ALTERNATIVES, DraftModelSettings
+    from verispec.drafters.draft_model import DraftModelSettings, tree_alternatives
 
     return DraftModelSettings(
         confidence_threshold=args.draft_confidence, path_confidence=args.draft_path_confidence or None, draft_vocab=args.draft_vocab or None,
         lean=None if getattr(args, "draft_forward", "lean") == "lean" else False, panel_kernels=draft_panel_kernels(args),
-        alternatives=TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0, greedy_head=getattr(args, "draft_greedy_head", "screened"),
+        alternatives=tree_alternatives(getattr(args, "tree_rows", 0)), greedy_head=getattr(args, "draft_greedy_head", "screened"),
         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0), context_window=getattr(args, "draft_window", 0) or None,
     )
 
@@ -425,11 +425,11 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
         drafter = parallel_drafter_from_args(args, target, parallel_head)
     elif eagle_head is not None:
         from verispec.drafters.eagle import EagleDrafter
-        from verispec.drafters.draft_model import TREE_ALTERNATIVES
+        from verispec.drafters.draft_model import tree_alternatives
         from verispec.drafters.eagle.drafter import EAGLE_PATH_CONFIDENCE
         from verispec.far_memory_cli import far_memory_from_args
 
-        alternatives = TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0  # runner-ups only where trees verify them
+        alternatives = tree_alternatives(getattr(args, "tree_rows", 0))
         drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args), path_confidence=EAGLE_PATH_CONFIDENCE, alternatives=alternatives)
         if args.drafter == "ngram+eagle":
             drafter = lookup_then_model(drafter)

@@ -12,15 +12,8 @@ from verispec.argtypes import positive_int
 
 
 def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
-    from verispec.models import DEFAULT_TARGET
-
     eagle = commands.add_parser("eagle", help="EAGLE draft head: extract target features, train, evaluate")
     steps = eagle.add_subparsers(dest="eagle_command", required=True)
-
-    def common(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
-        sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
-        sub.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
 
     def dtype_option(sub: argparse.ArgumentParser) -> None:
         from verispec.cli import add_target_dtype_option
@@ -77,7 +70,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
     )  # fmt: skip
     for name, help_text, handler, option_groups in steps_table:
         sub = steps.add_parser(name, help=help_text)
-        for add_options in (common, *option_groups):
+        for add_options in (add_model_options, *option_groups):
             add_options(sub)
         sub.set_defaults(handler=handler)
     export = steps.add_parser("export", help="copy a head file with bfloat16 weights (half the size; how the bundled head was made)")
@@ -85,6 +78,15 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
     export.add_argument("--out", type=Path, required=True, metavar="PATH", help="where to write the copy")
     export.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="storage precision of the weights (default bfloat16)")
     export.set_defaults(handler=_export)
+
+
+def add_model_options(sub: argparse.ArgumentParser) -> None:
+    """--target, --cache-dir, --threads: the options of every head pipeline step (`eagle ...`, `parallel ...`)."""
+    from verispec.models import DEFAULT_TARGET
+
+    sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
+    sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
+    sub.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
 
 
 def add_eval_prompt_options(sub: argparse.ArgumentParser, default_gamma: int) -> None:

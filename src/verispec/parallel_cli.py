@@ -12,7 +12,7 @@ from verispec.argtypes import positive_int
 
 def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
     from verispec.drafters.parallel.train import ParallelTrainSettings
-    from verispec.models import DEFAULT_TARGET
+    from verispec.eagle_cli import add_model_options
 
     parallel = commands.add_parser("parallel", help="parallel draft head (K positions per pass, contextual correction): train")
     steps = parallel.add_subparsers(dest="parallel_command", required=True)
@@ -21,9 +21,7 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
         help="train a parallel head on the EAGLE feature shards (CE over K block slots, cosine LR); resumable, a usable head at every checkpoint",
     )
     defaults = ParallelTrainSettings()
-    train.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
-    train.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
-    train.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    add_model_options(train)
     train.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help="feature shards directory, repeatable (default: <cache>/eagle/<target>/features and .../answers, those that exist)")
     train.add_argument("--out", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/parallel.safetensors)")
     train.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head whose draft vocabulary the parallel head reuses (default <cache>/eagle/<target>/head.safetensors if it exists, else the bundled head)")
@@ -52,9 +50,7 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
         "acceptance by draft position, no timing (`verispec bench` measures speed). Drafters: parallel (top-1 per position), parallel-corrected "
         "(--candidates per position, the best path by pair fit) and, unless --no-eagle, the EAGLE head at the same gamma. Heads run as trained (float32).",
     )
-    evaluate.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
-    evaluate.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
-    evaluate.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    add_model_options(evaluate)
     add_target_dtype_option(evaluate, "precision the target runs in while recording its answers: float32 (default) or bfloat16")
     add_eval_prompt_options(evaluate, default_gamma=5)
     evaluate.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head (default <cache>/eagle/<target>/parallel.safetensors)")
@@ -106,8 +102,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from verispec.drafters.eagle import load_head
-    from verispec.drafters.eagle.acceptance import accepted_from_every_start as eagle_accepted
-    from verispec.drafters.eagle.acceptance import replay_rounds
+    from verispec.drafters.eagle.acceptance import accepted_prefixes, drafted_from_every_start, replay_rounds, target_choices
     from verispec.drafters.eagle.checkpoint import find_head
     from verispec.drafters.parallel import ParallelDrafter, load_parallel_head
     from verispec.drafters.parallel.acceptance import accepted_from_every_start as parallel_accepted
@@ -128,17 +123,24 @@ def _eval(args: argparse.Namespace) -> int:
     lm_weight = target.model.get_output_embeddings().weight.detach().float()  # the target's argmax; float32 once (a bfloat16 target)
     drafts = min(args.gamma, head.config.block_size)  # a parallel round drafts at most the head's K
     # name -> (head file, drafts a round, accepted drafts from every start of a recorded text)
-    scorers = {name: (head_path, drafts, lambda tokens, features, first_row, drafter=drafter: parallel_accepted(drafter, tokens, features, drafts, lm_weight, first_row=first_row)) for name, drafter in drafters.items()}
+    scorers = {
+        name: (head_path, drafts, lambda tokens, features, first_row, choice, drafter=drafter: parallel_accepted(drafter, tokens, features, drafts, choice, first_row=first_row))
+        for name, drafter in drafters.items()
+    }
     if eagle_path is not None:
         eagle, eagle_vocab = load_head(eagle_path, target.model)
         eagle_rows = lm_weight[eagle_vocab] if eagle_vocab is not None else lm_weight
         embed = target.model.get_input_embeddings()
-        scorers["eagle"] = (eagle_path, args.gamma, lambda tokens, features, first_row: eagle_accepted(eagle, embed, eagle_rows, eagle_vocab, tokens, features, args.gamma, full_lm_head=lm_weight))
+        scorers["eagle"] = (
+            eagle_path, args.gamma,
+            lambda tokens, features, first_row, choice: accepted_prefixes(drafted_from_every_start(eagle, embed, eagle_rows, eagle_vocab, tokens, features, args.gamma), tokens, choice),
+        )  # fmt: skip
     rounds: dict[str, list] = {name: [] for name in scorers}
     for prompt, tokens, features in recorded_answers(target, [prompt.text for prompt in prompts], args.max_new_tokens):
+        first_row = len(prompt) - 2  # the first round's catch-up row: the prompt but its last token is prefilled
+        choice = target_choices(features, lm_weight)  # [n]: once per answer, not per drafter (a 151,936-row product)
         for name, (_, gamma, accepted_from_every_start) in scorers.items():
-            first_row = len(prompt) - 2  # the first round's catch-up row: the prompt but its last token is prefilled
-            rounds[name].append(replay_rounds(accepted_from_every_start(tokens, features, first_row), first_row, len(tokens) + 1, gamma))
+            rounds[name].append(replay_rounds(accepted_from_every_start(tokens, features, first_row, choice), first_row, len(tokens) + 1, gamma))
     for name, per_prompt in rounds.items():
         path, gamma, _ = scorers[name]
         print(f"{name} ({path.name}), {gamma} drafts a round, {args.max_new_tokens} new tokens, replayed greedy decoding:")
@@ -164,10 +166,10 @@ def parallel_head_path(args: argparse.Namespace) -> Path:
 def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path):  # noqa: ANN001, ANN201 - a LoadedModel -> ParallelDrafter
     from verispec.drafters.parallel import ParallelDrafter
 
-    from verispec.drafters.draft_model import TREE_ALTERNATIVES
+    from verispec.drafters.draft_model import tree_alternatives
 
     quantize = getattr(args, "draft_quantize", "none") == "int8"
-    alternatives = TREE_ALTERNATIVES if getattr(args, "tree_rows", 0) else 0  # runner-ups only where trees verify them
+    alternatives = tree_alternatives(getattr(args, "tree_rows", 0))
     return ParallelDrafter(target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives)
 
 

@@ -319,7 +319,7 @@ def build_method(
     if spec.family == "hf":
         return _build_hf(name, target, draft)
     from verispec.drafters import lookup_then_model
-    from verispec.drafters.draft_model import TREE_ALTERNATIVES, DraftModelSettings
+    from verispec.drafters.draft_model import DraftModelSettings, tree_alternatives
     from verispec.engine import SpeculativeDecoder
     from verispec.engine.decoder import DEFAULT_TREE_ROWS
 
@@ -328,7 +328,7 @@ def build_method(
     overrides = {"draft_vocab": variant.vocab, "confidence_threshold": variant.confidence, "path_confidence": variant.path}
     settings = replace(settings, **{key: value or None for key, value in overrides.items() if value is not None})  # 0 = off
     tree_rows = variant.tree if variant.tree is not None else tree_rows if tree_rows is not None else DEFAULT_TREE_ROWS
-    settings = replace(settings, alternatives=TREE_ALTERNATIVES if tree_rows else 0)  # runner-ups only where trees verify them
+    settings = replace(settings, alternatives=tree_alternatives(tree_rows))
     if variant.dhead is not None:
         settings = replace(settings, greedy_head="screened" if variant.dhead else "full")
     if variant.dwin is not None:
@@ -357,8 +357,7 @@ def build_method(
 
         mode = {"eagle-local": "local", "eagle-fold": "fold"}.get(name.removesuffix("-adaptive"))
         settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
-        alternatives = TREE_ALTERNATIVES if tree_rows else 0  # runner-ups only where trees verify them
-        drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path, alternatives=alternatives)
+        drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path, alternatives=tree_alternatives(tree_rows))
         if name.startswith("ngram+"):
             drafter = lookup_then_model(drafter)
     elif name.startswith("parallel"):
@@ -366,8 +365,9 @@ def build_method(
 
         if parallel_head is None:
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
-        alternatives = TREE_ALTERNATIVES if tree_rows else 0
-        drafter = ParallelDrafter(target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, alternatives=alternatives, name=name)
+        drafter = ParallelDrafter(
+            target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, alternatives=tree_alternatives(tree_rows), name=name
+        )
     elif name.startswith("ngram+"):
         model_drafter = settings.build(draft, name=draft.name)
         drafter = lookup_then_model(model_drafter)

@@ -211,6 +211,12 @@ def round_stops(token_prob: float, path_prob: float, confidence_threshold: float
     return path_confidence is not None and path_prob < path_confidence
 
 
+def tree_alternatives(tree_rows: int) -> int:
+    """Runner-ups per draft position a drafter should offer: TREE_ALTERNATIVES where the decoder
+    verifies draft trees (``tree_rows`` > 0), none otherwise (no softmax spent on them)."""
+    return TREE_ALTERNATIVES if tree_rows else 0
+
+
 def runner_ups(
     probs: torch.Tensor,  # [draft_vocab]: one greedy draft step's distribution
     index: int,  # the drafted entry (its argmax)

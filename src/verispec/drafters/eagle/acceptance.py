@@ -37,14 +37,30 @@ def accepted_from_every_start(
     full_lm_head: torch.Tensor | None = None,  # [vocab, hidden]: the target's argmax; default lm_rows (vocab_ids None)
 ) -> torch.Tensor:
     """Drafts accepted (0..gamma) by a greedy round whose catch-up ends at row r, for r = 0..n-3 # [n-2]."""
-    check_recorded_text(tokens, features, gamma)
-    num_tokens = len(tokens)
-    if num_tokens < 3:
-        return torch.zeros(0, dtype=torch.long)
     if full_lm_head is None:
         if vocab_ids is not None:
             raise ValueError("full_lm_head is needed to find the target's argmax when the head drafts over a reduced vocabulary")
         full_lm_head = lm_rows
+    drafted = drafted_from_every_start(head, embed, lm_rows, vocab_ids, tokens, features, gamma)
+    return accepted_prefixes(drafted, tokens, target_choices(features, full_lm_head))
+
+
+@torch.no_grad()
+def drafted_from_every_start(
+    head: EagleHead,
+    embed: torch.nn.Module,  # the target's input embedding
+    lm_rows: torch.Tensor,  # [draft_vocab or vocab, hidden]: the LM-head rows the head drafts over
+    vocab_ids: torch.Tensor | None,  # [draft_vocab] token id of each row; None: rows are the whole vocabulary
+    tokens: torch.Tensor,  # [n] int64: the text x_0..x_{n-1}
+    features: torch.Tensor,  # [n, hidden]: the target's features f_0..f_{n-1} on that text
+    gamma: int,
+) -> torch.Tensor:
+    """The drafts of a greedy round whose catch-up ends at row r, r = 0..n-3 # [n-2, min(gamma, n-2)]
+    (-2 past the text's end): the head's unrolled steps, one pass per step over the whole text."""
+    check_recorded_text(tokens, features, gamma)
+    num_tokens = len(tokens)
+    if num_tokens < 3:
+        return torch.zeros(0, 1, dtype=torch.long)
     features, lm_rows = features.float(), lm_rows.float()  # no-ops for float32 inputs
     steps = head.unrolled(features[None, :-1], embed(tokens[None, 1:]).float(), min(gamma, num_tokens - 2))
     num_starts = num_tokens - 2
@@ -56,7 +72,7 @@ def accepted_from_every_start(
         rows = starts + step  # row r+k-1
         valid = rows < num_tokens - 1
         drafted[valid, step] = drafts[rows[valid]]
-    return accepted_prefixes(drafted, tokens, features, full_lm_head)
+    return drafted
 
 
 def check_recorded_text(tokens: torch.Tensor, features: torch.Tensor, gamma: int) -> None:
@@ -67,17 +83,24 @@ def check_recorded_text(tokens: torch.Tensor, features: torch.Tensor, gamma: int
         raise ValueError(f"tokens # [n] and features # [n, hidden] must have the same length, got {tuple(tokens.shape)} and {tuple(features.shape)}")
 
 
+def target_choices(
+    features: torch.Tensor,  # [n, hidden]: the target's features f_0..f_{n-1} on a text
+    full_lm_head: torch.Tensor,  # [vocab, hidden]: the target's LM head
+) -> torch.Tensor:
+    """The target's greedy choice for x_{i+1}, read at f_i # [n] long. Computed once per text: every
+    drafter replayed on it is scored against the same choices (:func:`accepted_prefixes`)."""
+    return F.linear(features.float(), full_lm_head.float()).argmax(-1)
+
+
 def accepted_prefixes(
     drafted: torch.Tensor,  # [n-2, g] long: draft k+1 of the round starting at row r is drafted[r, k], a guess of x_{r+k+2}
     tokens: torch.Tensor,  # [n] int64: the text
-    features: torch.Tensor,  # [n, hidden]: the target's features on it
-    full_lm_head: torch.Tensor,  # [vocab, hidden]: the target's argmax
+    target_choice: torch.Tensor,  # [n] long: :func:`target_choices` of the text
 ) -> torch.Tensor:
     """Drafts a greedy round starting at each row r accepts # [n-2]: the longest prefix of its drafts that
     equals the text, where the text at each drafted position is the target's own argmax."""
     num_tokens, gamma = len(tokens), drafted.shape[1]
-    # the target's choice for x_{i+1} (read at f_i), and whether the text took it
-    target_choice = F.linear(features.float(), full_lm_head.float()).argmax(-1)  # [n]
+    # whether the text took the target's choice
     text_is_target = torch.zeros(num_tokens + gamma, dtype=torch.bool)  # padded: positions past the end never match
     text_is_target[1:num_tokens] = tokens[1:] == target_choice[:-1]  # at index t: x_t is the target's choice
     padded_tokens = torch.cat((tokens, torch.full((gamma,), -1, dtype=tokens.dtype)))

@@ -30,7 +30,7 @@ def accepted_from_every_start(
     tokens: torch.Tensor,  # [n] int64: the text x_0..x_{n-1}
     features: torch.Tensor,  # [n, hidden]: the target's features f_0..f_{n-1} on that text
     gamma: int,
-    full_lm_head: torch.Tensor,  # [vocab, hidden]: the target's LM head, for its argmax
+    target_choice: torch.Tensor,  # [n] long: the target's argmax at each row (:func:`~verispec.drafters.eagle.acceptance.target_choices`)
     starts_per_call: int = 32,  # rows drafted together (memory: the correction pass runs (K-1)·m blocks per row)
     first_row: int = 0,  # rounds before this row are not drafted (0 there): a prompt's rows, which decoding never starts from
 ) -> torch.Tensor:
@@ -49,4 +49,4 @@ def accepted_from_every_start(
         last_rows = torch.arange(first, min(first + starts_per_call, num_tokens - 2))  # [B]: r, each round's last context row
         visible = rows[None] <= last_rows[:, None]  # [B, n-1]
         drafted.append(draft_paths(drafter, context, outputs[0, last_rows], last_rows + 1, count, visible).tokens)
-    return accepted_prefixes(torch.cat(drafted), tokens, features, full_lm_head)
+    return accepted_prefixes(torch.cat(drafted), tokens, target_choice)
