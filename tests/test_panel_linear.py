@@ -307,10 +307,15 @@ from tiny_models import tiny_target
 assert not int8_uses_vnni() and f32_panel_width() == 8
 torch.manual_seed(0)
 linear = torch.nn.Linear(67, 45)
+def one_by_one(layer, x):
+    return torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
 for rows in (1, 2, 3, 5, 9, 12, 13):
     x = torch.randn(rows, 67)
     reference = x.double() @ linear.weight.double().T + linear.bias.double()
-    torch.testing.assert_close(PanelLinear(linear)(x).double(), reference, atol=2e-5, rtol=1e-5)
+    together = PanelLinear(linear)(x)
+    torch.testing.assert_close(together.double(), reference, atol=2e-5, rtol=1e-5)
+    # every row the same chain of FMAs however many come together (the prefix cache, branch rows)
+    assert torch.equal(together, one_by_one(PanelLinear(linear), x)), rows
 quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 33)))[0]
 layer = PanelLinear(quantized)
 assert layer.max_kernel_rows == MAX_INT8_KERNEL_ROWS and layer.colsum is None
@@ -319,6 +324,7 @@ dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double(
 for rows in (1, 2):
     x = torch.randn(rows, 70)
     torch.testing.assert_close(layer(x).double(), x.double() @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer(x), one_by_one(layer, x)), rows
 model = quantize_int8(tiny_target())
 fused, op_by_op = LeanDecoder(model), LeanDecoder(model)
 op_by_op.fused = None

@@ -52,7 +52,10 @@ def test_screened_argmax_is_the_full_heads_and_skips_most_logits(rows, bias):
     tokens = [(37 * i + 11) % head.out_features for i in range(rows)]
     screened = assert_same_argmax_and_exact_values(screen, features_near(head, tokens))
     assert screened.argmax(-1).tolist() == tokens
-    assert 3 in screen.float32_channels  # the huge entry's channel left the 8-bit activations
+    if screen.vnni:  # 8-bit activations (VNNI CPUs): the huge entry's channel left them
+        assert 3 in screen.float32_channels
+    else:  # float activations against int8 weights: no channel needs keeping out
+        assert screen.float32_channels == []
     # The screen did its job: most logits were never computed in float32.
     assert int(torch.isfinite(screened).sum()) < rows * head.out_features // 4
 

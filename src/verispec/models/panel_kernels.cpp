@@ -96,15 +96,19 @@ static inline __attribute__((always_inline)) void panel_rows(const float* x, int
   }
 }
 
+// One accumulator set for every row count: each row's sum is then the same chain of FMAs over k
+// whether it is computed alone or beside up to 11 others, so a verification pass gives bit for
+// bit what a 1-token step gives (the prefix cache and branch rows rely on it). More sets for few
+// rows (8 for 1 row, as this kernel had until 2026-12-04) summed k in a row-count-dependent order.
 template <bool INT8>
 static void chunk_rows(int rows, const float* x, int64_t K, const void* panel, float* out) {
   switch (rows) {
-    case 1: panel_rows<1, 8, INT8>(x, K, panel, out); break;
-    case 2: panel_rows<2, 4, INT8>(x, K, panel, out); break;
-    case 3: panel_rows<3, 3, INT8>(x, K, panel, out); break;
-    case 4: panel_rows<4, 2, INT8>(x, K, panel, out); break;
-    case 5: panel_rows<5, 2, INT8>(x, K, panel, out); break;
-    case 6: panel_rows<6, 2, INT8>(x, K, panel, out); break;
+    case 1: panel_rows<1, 1, INT8>(x, K, panel, out); break;
+    case 2: panel_rows<2, 1, INT8>(x, K, panel, out); break;
+    case 3: panel_rows<3, 1, INT8>(x, K, panel, out); break;
+    case 4: panel_rows<4, 1, INT8>(x, K, panel, out); break;
+    case 5: panel_rows<5, 1, INT8>(x, K, panel, out); break;
+    case 6: panel_rows<6, 1, INT8>(x, K, panel, out); break;
     case 7: panel_rows<7, 1, INT8>(x, K, panel, out); break;
     case 8: panel_rows<8, 1, INT8>(x, K, panel, out); break;
     case 9: panel_rows<9, 1, INT8>(x, K, panel, out); break;
