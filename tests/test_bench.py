@@ -5,6 +5,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny_models import write_tiny_qwen2_gguf
 from verispec.bench import methods as bench_methods
@@ -166,6 +167,17 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     off = bench_methods.build_method("draft-model:tree=0", model, model, gamma=4, tree_rows=8)
     assert off.decoder.tree_rows == 0 and off.decoder.drafter.alternatives == 0
     assert bench_methods.build_method("draft-model", model, model, gamma=4, tree_rows=8).decoder.drafter.alternatives == 2
+    # The parallel methods: correction, and its pair fit by the EAGLE head, where the name asks for them.
+    from verispec.drafters.eagle import EagleConfig, EagleHead
+    from verispec.drafters.parallel import ParallelConfig, ParallelHead
+
+    torch.manual_seed(0)
+    parallel = ParallelHead(ParallelConfig.for_target(model.model.config, 24, block_size=3)).eval()
+    eagle = EagleHead(EagleConfig.for_target(model.model.config, 24)).eval()
+    built = {name: bench_methods.build_method(name, model, None, gamma=3, eagle_head=eagle, parallel_head=parallel).decoder.drafter for name in ("parallel", "parallel-corrected", "parallel-corrected-eagle")}
+    assert [(d.correction, d.corrector is not None) for d in built.values()] == [(False, False), (True, False), (True, True)]
+    with pytest.raises(ValueError, match="needs an EAGLE head"):
+        bench_methods.build_method("parallel-corrected-eagle", model, None, gamma=3, parallel_head=parallel)
     # The bench's default methods include exactly what generate/compare run by default.
     from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
 

@@ -12,15 +12,16 @@ from test_engine import RUNS, SMALL_VOCAB, _exact_first_two, _sample_first_two
 from tiny_models import noisy_copy, tiny_target
 from verispec import SamplingParams, SpeculativeDecoder
 from verispec.drafters import DraftContext
-from verispec.drafters.eagle import EagleDrafter, EagleHeadMismatchError, save_head, target_fingerprint
+from verispec.drafters.eagle import EagleDrafter, EagleHead, EagleHeadMismatchError, save_head, target_fingerprint
 from verispec.drafters.eagle.extract import ExtractSettings, extract_features
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead, best_path, load_parallel_head, save_parallel_head, top_paths
 from verispec.drafters.parallel.acceptance import accepted_from_every_start
-from verispec.drafters.parallel.drafter import _pair_fit
+from verispec.drafters.parallel.drafter import _pair_fit, _successor_fit
 from verispec.drafters.parallel.head import cached
 from verispec.drafters.parallel.train import BlockObjective, ParallelTrainSettings, train_parallel_head
 from verispec.models import LoadedModel
+from verispec.models.rotary import apply_rotary, rotary_cos_sin
 
 VOCAB = 96
 
@@ -156,9 +157,10 @@ def test_bad_parallel_config_names_the_field(field, value):
 # --- the drafter on the engine ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("block_size", "candidates", "correction"), [(1, 1, False), (4, 1, False), (4, 3, True), (3, 4, True)])
+@pytest.mark.parametrize(("block_size", "candidates", "correction"), [(1, 1, False), (4, 1, False), (4, 3, True), (3, 4, True), (4, 3, "eagle")])
 def test_greedy_output_is_token_identical_to_plain(target, block_size, candidates, correction):
-    drafter = ParallelDrafter(target, parallel_head(target, block_size=4), block_size=block_size, candidates=candidates, correction=correction)
+    corrector = fresh_head(target) if correction == "eagle" else None
+    drafter = ParallelDrafter(target, parallel_head(target, block_size=4), block_size=block_size, candidates=candidates, correction=bool(correction), corrector=corrector)
     plain = SpeculativeDecoder(target)
     for gamma in (2, 5):
         decoder = SpeculativeDecoder(target, drafter, gamma=gamma)
@@ -215,27 +217,30 @@ def test_int8_head_is_a_quantised_copy_and_stays_exact(target):
     assert result.stats.num_drafted > 0 and set(result.stats.drafted_per_round) - {0}
 
 
-@pytest.mark.parametrize(("correction", "block_passes"), [(False, 1), (True, 2)])
-def test_one_block_pass_per_round_plus_one_for_correction(target, correction, block_passes):
-    head = parallel_head(target, block_size=4)
+@pytest.mark.parametrize(("correction", "block_passes", "catch_up_passes"), [(False, 1, 1), (True, 2, 1), ("eagle", 2, 2)])
+def test_one_block_pass_per_round_plus_one_for_correction(target, correction, block_passes, catch_up_passes):
+    head, corrector = parallel_head(target, block_size=4), fresh_head(target) if correction == "eagle" else None
     calls = []
-    hook = head.layers[0].register_forward_hook(lambda *args: calls.append(1))  # one per head pass
+    hooks = [head.layers[0].register_forward_hook(lambda *args: calls.append(1))]  # one per head pass
+    if corrector is not None:  # one per corrector call: its catch-up, its batched pair-fit steps
+        hooks.append(corrector.o_proj.register_forward_hook(lambda *args: calls.append(1)))
     try:
-        session = ParallelDrafter(target, head, candidates=3, correction=correction).start([1, 2, 3, 4], SamplingParams())
+        session = ParallelDrafter(target, head, candidates=3, correction=bool(correction), corrector=corrector).start([1, 2, 3, 4], SamplingParams())
         with torch.no_grad():
             features = target.model(torch.tensor([[1, 2, 3, 4, 5]])).last_hidden_state[0]
         first = session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 4, torch.Generator())
         assert len(first.tokens) == 4
-        assert first.num_forward_passes == len(calls) == 1 + block_passes  # catch-up, then the block (+ correction)
+        assert first.num_forward_passes == len(calls) == catch_up_passes + block_passes  # catch-up, then the block (+ correction)
         calls.clear()
         again = session.propose(DraftContext([1, 2, 3, 4, 5, 6], features[3:5], 3), 4, torch.Generator())
-        assert again.num_forward_passes == len(calls) == 1 + block_passes
+        assert again.num_forward_passes == len(calls) == catch_up_passes + block_passes
         calls.clear()
         nothing_new = session.propose(DraftContext([1, 2, 3, 4, 5, 6]), 4, torch.Generator())
         assert nothing_new.num_forward_passes == len(calls) == block_passes  # no catch-up without new features
         assert len(session.propose(DraftContext([1, 2, 3, 4, 5, 6]), 1, torch.Generator()).tokens) == 1  # one draft: nothing to correct
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
@@ -258,7 +263,55 @@ def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
         torch.testing.assert_close(pair[i, c], expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("correction", "candidates"), [(False, 1), (True, 3)])
+def eagle_step_by_hand(head, context_keys, context_values, feature, embed, position):
+    """One EAGLE row at ``position`` attending to cached rows and itself, from the head's parts."""
+    hidden = head.fc(torch.cat((embed, feature))[None])  # [1, hidden]
+    normed = head.input_norm(hidden)
+    config = head.config
+    cos, sin = rotary_cos_sin(torch.tensor([float(position)]), head.inv_freq)
+    query = apply_rotary(head.q_proj(normed).view(1, config.num_heads, config.head_dim).transpose(0, 1), cos, sin)  # [heads, 1, d]
+    key = apply_rotary(head.k_proj(normed).view(1, config.num_kv_heads, config.head_dim).transpose(0, 1), cos, sin)
+    value = head.v_proj(normed).view(1, config.num_kv_heads, config.head_dim).transpose(0, 1)
+    keys, values = torch.cat((context_keys, key), 1), torch.cat((context_values, value), 1)  # [kv_heads, P+1, d]
+    group = config.num_heads // config.num_kv_heads
+    weights = (query @ keys.repeat_interleave(group, 0).transpose(-1, -2) / config.head_dim**0.5).softmax(-1)
+    attended = (weights @ values.repeat_interleave(group, 0)).transpose(0, 1).reshape(1, -1)
+    hidden = hidden + head.o_proj(attended)
+    normed = head.post_attention_norm(hidden)
+    return head.norm(hidden + head.down_proj(torch.nn.functional.silu(head.gate_proj(normed)) * head.up_proj(normed)))[0]
+
+
+def test_eagle_corrector_scores_each_candidate_as_the_token_one_step_ahead(target):
+    # pair[i, c, :] = the m candidates at i+1 read through the EAGLE step on (ĥ_i, embed(cand[i, c]))
+    # at position L+i over the real context — computed here by hand; the i = 0 rows are also exactly
+    # what the EAGLE drafter's own cached step gives.
+    corrector = fresh_head(target, seed=4)
+    drafter = ParallelDrafter(target, parallel_head(target, block_size=3), candidates=2, corrector=corrector)
+    session = drafter.start([1, 2, 3], SamplingParams())
+    with torch.no_grad():
+        features = target.model(torch.tensor([[1, 2, 3, 4]])).last_hidden_state[0]
+        session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 3, torch.Generator())  # fills the caches
+        context_keys, context_values = session.corrector_cache.keys[:, :3], session.corrector_cache.values[:, :3]
+        slots = torch.randn(1, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(2))  # ĥ_i
+        index = torch.tensor([[5, 9], [1, 7], [3, 2]])
+        pair = _successor_fit(drafter, cached(session.corrector_cache), slots, torch.tensor([3]), index[None], None)[0]
+        for i, c in itertools.product(range(2), range(2)):
+            embed = drafter.embed(index[i, c]).float()
+            following = eagle_step_by_hand(corrector, context_keys, context_values, slots[0, i], embed, 3 + i)
+            expected = (target.lm_head.weight[index[i + 1]] @ following).log_softmax(-1)
+            torch.testing.assert_close(pair[i, c], expected, atol=1e-5, rtol=1e-5)
+            if i == 0:  # the drafting step proper: EagleHead.forward on a copy of the cache
+                cache = LayerKVCache()
+                cache.append(context_keys.clone(), context_values.clone())
+                step = corrector(slots[:, :1], embed[None, None], start=3, cache=cache)[0, 0]
+                torch.testing.assert_close((target.lm_head.weight[index[1]] @ step).log_softmax(-1), expected, atol=1e-5, rtol=1e-5)
+        # a row sees only its visible context rows: hiding row 2 equals a 2-row context
+        hidden_row = _successor_fit(drafter, cached(session.corrector_cache), slots, torch.tensor([3]), index[None], torch.tensor([[True, True, False]]))[0]
+        short = (session.corrector_cache.keys[None, :, :2], session.corrector_cache.values[None, :, :2])
+        torch.testing.assert_close(hidden_row, _successor_fit(drafter, short, slots, torch.tensor([3]), index[None], None)[0])
+
+
+@pytest.mark.parametrize(("correction", "candidates"), [(False, 1), (True, 3), ("eagle", 3)])
 def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_head, correction, candidates):
     # Teacher-forced replay (parallel eval) must count exactly the drafts the engine accepts on
     # the target's own greedy answer: same rounds, same drafted and accepted per round.
@@ -268,7 +321,8 @@ def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_hea
     config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
     head = ParallelHead(config)
     head.load_eagle(trained_head)  # drafts the first token as the trained EAGLE head does: some rounds accept
-    drafter = ParallelDrafter(target, head.eval().requires_grad_(False), candidates=candidates, correction=correction)
+    corrector = trained_head if correction == "eagle" else None
+    drafter = ParallelDrafter(target, head.eval().requires_grad_(False), candidates=candidates, correction=bool(correction), corrector=corrector)
     prompt = [5, 17, 3, 40, 22, 9, 31]
     result = SpeculativeDecoder(target, drafter, gamma=3).generate(prompt, 30, stop=[])
     text = prompt + result.token_ids[:-1]  # the last token is emitted, never fed
@@ -315,6 +369,12 @@ def test_feature_drafters_refuse_a_head_of_the_wrong_kind_or_width(target):
     wide = ParallelHead(dataclasses.replace(parallel_head(target).config, hidden_size=2 * target.config.hidden_size))
     with pytest.raises(ValueError, match="does not match the target"):
         ParallelDrafter(target, wide)
+    with pytest.raises(ValueError, match="instance of EagleHead"):
+        ParallelDrafter(target, parallel_head(target), corrector=parallel_head(target))
+    with pytest.raises(ValueError, match="does not match the target"):
+        ParallelDrafter(target, parallel_head(target), corrector=EagleHead(dataclasses.replace(fresh_head(target).config, hidden_size=2 * target.config.hidden_size)))
+    with pytest.raises(ValueError, match="corrector .*correction=True"):
+        ParallelDrafter(target, parallel_head(target), correction=False, corrector=fresh_head(target))
 
 
 # --- checkpoints and training ---------------------------------------------------------------------------
@@ -410,10 +470,16 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
     common = ["generate", "--target", str(gguf), "--max-new-tokens", "10", "--raw", "hello the"]
     assert main([*common, "--draft", "none"]) == 0
     plain = capsys.readouterr().out
-    for extra in ([], ["--no-correction"], ["--block-size", "2", "--candidates", "2"]):
+    eagle = save_head(tmp_path / "eagle.safetensors", fresh_head(model), draft_vocab=None, fingerprint=target_fingerprint(model))
+    by_eagle = ["--pair-fit", "eagle", "--eagle-head", str(eagle)]
+    for extra in ([], ["--no-correction"], ["--block-size", "2", "--candidates", "2"], by_eagle):
         assert main([*common, "--drafter", "parallel", "--parallel-head", str(path), *extra]) == 0
         assert capsys.readouterr().out == plain
-    for extra, message in ((["--block-size", "4"], "block_size"), (["--candidates", "0"], "--candidates"), (["--parallel-head", str(tmp_path / "none")], "parallel head")):
+    refused = (
+        (["--block-size", "4"], "block_size"), (["--candidates", "0"], "--candidates"), (["--parallel-head", str(tmp_path / "none")], "parallel head"),
+        ([*by_eagle, "--no-correction"], "--pair-fit eagle"), (["--pair-fit", "eagle", "--eagle-head", str(tmp_path / "none")], "none"),
+    )  # fmt: skip
+    for extra, message in refused:
         arguments = [*common, "--drafter", "parallel", "--parallel-head", str(path), *extra]
         try:
             code = main(arguments)
@@ -428,6 +494,10 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
     out = capsys.readouterr().out
     assert "parallel (parallel.safetensors), 3 drafts a round" in out and "parallel-corrected (m=3)" in out and "eagle" not in out
     assert out.count("2 prompts  tau") == 2
+    assert main([*evaluate, "--eagle-head", str(eagle)]) == 0
+    out = capsys.readouterr().out
+    assert "parallel-corrected, EAGLE pair fit (m=3)" in out and "eagle (eagle.safetensors), 5 drafts a round" in out
+    assert out.count("2 prompts  tau") == 4
     for extra, message in ((["--gamma", "0"], "--gamma"), (["--eagle-head", str(tmp_path / "none")], "--eagle-head")):
         assert main([*evaluate, *extra]) == 2
         err = capsys.readouterr().err
@@ -439,6 +509,9 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
     out = capsys.readouterr().out
     assert "rounds of 3 drafts" in out
     assert all(f"{name}, {precision}" in out for name in ("parallel", "parallel-corrected") for precision in ("float32", "int8"))
+    assert main([*costs, "--eagle-head", str(eagle)]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{name}, {precision}" in out for name in ("parallel-corrected-eagle", "eagle") for precision in ("float32", "int8"))
 
 
 def test_proposal_cost_times_drafting_only(target):

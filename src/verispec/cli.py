@@ -411,9 +411,9 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    eagle_head = _eagle_head_path(args) if args.drafter in EAGLE_DRAFTERS else None
-    from verispec.parallel_cli import parallel_drafter_from_args, parallel_head_path
+    from verispec.parallel_cli import parallel_drafter_from_args, parallel_head_path, pair_fit_by_eagle
 
+    eagle_head = _eagle_head_path(args) if args.drafter in EAGLE_DRAFTERS or pair_fit_by_eagle(args) else None
     parallel_head = parallel_head_path(args) if args.drafter == "parallel" else None
     started = time.perf_counter()
     target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
@@ -422,7 +422,7 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
         draft = load_model(args.draft, cache_dir=args.cache_dir)
     _prepare_models(args, target, draft)
     if parallel_head is not None:
-        drafter = parallel_drafter_from_args(args, target, parallel_head)
+        drafter = parallel_drafter_from_args(args, target, parallel_head, corrector=eagle_head)
     elif eagle_head is not None:
         from verispec.drafters.eagle import EagleDrafter
         from verispec.drafters.draft_model import tree_alternatives
@@ -714,7 +714,7 @@ def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from verispec.bench import report
-    from verispec.bench.methods import EAGLE_HEAD_PREFIXES, build_method, method_spec, parse_methods
+    from verispec.bench.methods import EAGLE_HEAD_METHODS, EAGLE_HEAD_PREFIXES, build_method, method_spec, parse_methods, parse_variant
     from verispec.bench.plots import write_plots
     from verispec.bench.runner import BenchRun, BenchSettings, count_runs, run_bench
     from verispec.bench.summary import reference_method, summarize
@@ -732,7 +732,7 @@ def _bench(args: argparse.Namespace) -> int:
     needs_draft = any(method_spec(name).needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
         raise ValueError(f"--draft none, but {', '.join(n for n in names if method_spec(n).needs_draft)} need(s) a draft model")
-    eagle_head = _eagle_head_path(args) if any(name.startswith(EAGLE_HEAD_PREFIXES) for name in names) else None
+    eagle_head = _eagle_head_path(args) if any(name.startswith(EAGLE_HEAD_PREFIXES) or parse_variant(name).base in EAGLE_HEAD_METHODS for name in names) else None
     from verispec.parallel_cli import parallel_head_path
 
     parallel_head = parallel_head_path(args) if any(name.startswith("parallel") for name in names) else None

@@ -45,10 +45,10 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
 
     evaluate = steps.add_parser(
         "eval",
-        help="greedy tau of the parallel head with and without contextual correction (and the EAGLE head), replayed on the target's recorded answers, per category",
+        help="greedy tau of the parallel head with and without contextual correction (pair fit by the parallel head, and by the EAGLE head) and of the EAGLE head, replayed on the target's recorded answers, per category",
         description="Records the target's greedy answers (16 at a time) and replays greedy decoding on them for each drafter: exact greedy tau and "
         "acceptance by draft position, no timing (`verispec bench` measures speed). Drafters: parallel (top-1 per position), parallel-corrected "
-        "(--candidates per position, the best path by pair fit) and, unless --no-eagle, the EAGLE head at the same gamma. Heads run as trained (float32).",
+        "(--candidates per position, the best path by pair fit) and, unless --no-eagle, parallel-corrected with the EAGLE head's pair fit and the EAGLE head itself at the same gamma. Heads run as trained (float32).",
     )
     add_model_options(evaluate)
     add_target_dtype_option(evaluate, "precision the target runs in while recording its answers: float32 (default) or bfloat16")
@@ -116,10 +116,13 @@ def _eval(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--eagle-head {str(eagle_path)!r} does not exist")
     target = load_target(args)
     head, vocab = load_parallel_head(head_path, target.model)
+    eagle, eagle_vocab = load_head(eagle_path, target.model) if eagle_path is not None else (None, None)
     drafters = {
         "parallel": ParallelDrafter(target, head, vocab, correction=False, candidates=1),
         f"parallel-corrected (m={args.candidates})": ParallelDrafter(target, head, vocab, candidates=args.candidates),
     }
+    if eagle is not None:  # the same lattice, the pair fit scored by EAGLE steps (--pair-fit eagle)
+        drafters[f"parallel-corrected, EAGLE pair fit (m={args.candidates})"] = ParallelDrafter(target, head, vocab, candidates=args.candidates, corrector=eagle)
     lm_weight = target.model.get_output_embeddings().weight.detach().float()  # the target's argmax; float32 once (a bfloat16 target)
     drafts = min(args.gamma, head.config.block_size)  # a parallel round drafts at most the head's K
     # name -> (head file, drafts a round, accepted drafts from every start of a recorded text)
@@ -127,8 +130,7 @@ def _eval(args: argparse.Namespace) -> int:
         name: (head_path, drafts, lambda tokens, features, first_row, choice, drafter=drafter: parallel_accepted(drafter, tokens, features, drafts, choice, first_row=first_row))
         for name, drafter in drafters.items()
     }
-    if eagle_path is not None:
-        eagle, eagle_vocab = load_head(eagle_path, target.model)
+    if eagle is not None:
         eagle_rows = lm_weight[eagle_vocab] if eagle_vocab is not None else lm_weight
         embed = target.model.get_input_embeddings()
         scorers["eagle"] = (
@@ -154,6 +156,20 @@ def add_parallel_drafter_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--block-size", type=positive_int, default=None, metavar="K", help="--drafter parallel: drafts per round at most (default: the head's K; at most K)")
     sub.add_argument("--candidates", type=positive_int, default=3, metavar="M", help="--drafter parallel: candidates kept per position for contextual correction (default 3)")
     sub.add_argument("--no-correction", dest="correction", action="store_false", help="--drafter parallel: top-1 per position, one head pass a round (no contextual correction)")
+    sub.add_argument(
+        "--pair-fit", choices=["parallel", "eagle"], default="parallel",
+        help="--drafter parallel: what scores how a candidate fits the one before it — the parallel head given that candidate as a known slot "
+        "(parallel, default), or one EAGLE-head step per candidate, reading it as the token one step ahead (eagle; --eagle-head or the bundled head)",
+    )  # fmt: skip
+
+
+def pair_fit_by_eagle(args: argparse.Namespace) -> bool:
+    """Whether --drafter parallel's correction is scored by an EAGLE head (checked before loading)."""
+    if getattr(args, "drafter", None) != "parallel" or getattr(args, "pair_fit", "parallel") != "eagle":
+        return False
+    if not args.correction:
+        raise ValueError("--pair-fit eagle scores contextual correction: it cannot be combined with --no-correction")
+    return True
 
 
 def parallel_head_path(args: argparse.Namespace) -> Path:
@@ -163,14 +179,17 @@ def parallel_head_path(args: argparse.Namespace) -> Path:
     return existing_parallel_path(args.parallel_head, args.target, args.cache_dir)
 
 
-def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path):  # noqa: ANN001, ANN201 - a LoadedModel -> ParallelDrafter
+def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path, corrector: Path | None = None):  # noqa: ANN001, ANN201 - a LoadedModel -> ParallelDrafter
+    """--drafter parallel's drafter; ``corrector``: the EAGLE head scoring the pair fit (--pair-fit eagle)."""
     from verispec.drafters.parallel import ParallelDrafter
 
     from verispec.drafters.draft_model import tree_alternatives
 
     quantize = getattr(args, "draft_quantize", "none") == "int8"
     alternatives = tree_alternatives(getattr(args, "tree_rows", 0))
-    return ParallelDrafter(target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives)
+    return ParallelDrafter(
+        target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives, corrector=corrector
+    )
 
 
 def print_proposal_costs(args: argparse.Namespace, target, eagle_head: Path | None) -> None:  # noqa: ANN001 - a LoadedModel
@@ -196,6 +215,8 @@ def print_proposal_costs(args: argparse.Namespace, target, eagle_head: Path | No
         costs = {"parallel": proposal_cost(ParallelDrafter(target, parallel, parallel_vocab, correction=False, quantize=quantize), args.context, drafts, args.repeats)}
         costs["parallel-corrected"] = proposal_cost(ParallelDrafter(target, parallel, parallel_vocab, quantize=quantize), args.context, drafts, args.repeats)
         if eagle is not None:
+            corrected = ParallelDrafter(target, parallel, parallel_vocab, quantize=quantize, corrector=eagle[0])
+            costs["parallel-corrected-eagle"] = proposal_cost(corrected, args.context, drafts, args.repeats)
             costs["eagle"] = proposal_cost(EagleDrafter(target, *eagle, quantize=quantize), args.context, drafts, args.repeats)
         for name, seconds in costs.items():
             ratio = f" ({seconds / costs['eagle']:.2f}x eagle)" if "eagle" in costs else ""

@@ -47,6 +47,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("eagle-fold-adaptive", "ours", False, "eagle-fold, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("parallel", "ours", False, "parallel head (--parallel-head): a block of K drafts from one pass, top-1 per position"),
         MethodSpec("parallel-corrected", "ours", False, "parallel head + contextual correction: 3 candidates a position, best path by pair fit"),
+        MethodSpec("parallel-corrected-eagle", "ours", False, "parallel-corrected with the pair fit scored by the EAGLE head (--eagle-head): one step per candidate, the candidate as the token one step ahead"),
         MethodSpec("hf-plain", "hf", False, "transformers generate(), greedy or sampling"),
         MethodSpec("hf-assisted", "hf", True, "transformers assisted generation (assistant_model=draft), default settings"),
         MethodSpec("hf-lookup", "hf", False, "transformers prompt lookup (prompt_lookup_num_tokens=10)"),
@@ -54,6 +55,7 @@ METHODS: dict[str, MethodSpec] = {
 }
 # Method names that draft with an EAGLE head (the bench loads one when any is asked for).
 EAGLE_HEAD_PREFIXES = ("eagle", "ngram+eagle")
+EAGLE_HEAD_METHODS = ("parallel-corrected-eagle",)  # other methods that read one
 # What `generate` and `compare` run by default, as a bench method.
 STREAM_DEFAULT_METHOD = f"ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM_PATH_CONFIDENCE}"
 # The full run: every method but ngram-adaptive (lookup drafts cost nothing, so adapting their
@@ -73,7 +75,7 @@ REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-ou
 # so that settings are compared side by side in one run (interleaved prompt by prompt, like methods).
 _DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft", "ngram+draft-adaptive")
 _EAGLE_METHODS = ("eagle", "eagle-adaptive", "ngram+eagle", "ngram+eagle-adaptive")  # (far-memory variants: as measured, no stop rule)
-_TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + ("parallel", "parallel-corrected")  # drafters offering runner-ups
+_TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + ("parallel", "parallel-corrected", "parallel-corrected-eagle")  # drafters offering runner-ups
 
 
 @dataclass(frozen=True)
@@ -365,9 +367,15 @@ def build_method(
 
         if parallel_head is None:
             raise ValueError(f"method {name!r} needs a parallel head (--parallel-head PATH; `verispec parallel train` trains one)")
+        corrector = None
+        if name == "parallel-corrected-eagle":
+            if eagle_head is None:
+                raise ValueError(f"method {name!r} needs an EAGLE head for its pair fit (--eagle-head PATH, or the bundled head)")
+            corrector = eagle_head
         drafter = ParallelDrafter(
-            target, parallel_head, candidates=3, correction=name == "parallel-corrected", quantize=head_quantize, alternatives=tree_alternatives(tree_rows), name=name
-        )
+            target, parallel_head, candidates=3, correction=name != "parallel", quantize=head_quantize, alternatives=tree_alternatives(tree_rows),
+            corrector=corrector, name=name,
+        )  # fmt: skip
     elif name.startswith("ngram+"):
         model_drafter = settings.build(draft, name=draft.name)
         drafter = lookup_then_model(model_drafter)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.far_memory import FarMemoryConfig, far_memory_attention
+from verispec.drafters.shared_prefix import KeysValues, shared_prefix_attention
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
 
@@ -144,6 +145,30 @@ class EagleHead(nn.Module):
             mask = causal_mask_after(start + first_row, num_new - first_row, features.device)
             context = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, context)
+
+    def independent_steps(
+        self,
+        features: torch.Tensor,  # [rows, hidden]: f_i of each row (real, or drafted by another head)
+        next_embeds: torch.Tensor,  # [rows, hidden]: embed(x_{i+1}), the token one step ahead of each row
+        positions: torch.Tensor,  # [rows] long: each row's position i
+        context: KeysValues,  # rotated keys, values # [1, kv_heads, P, head_dim]: cached real rows, shared
+        context_visible: torch.Tensor | None = None,  # [rows, P] bool: the cached rows each row sees (None: all)
+    ) -> torch.Tensor:
+        """One head step for each of R rows that do not see one another # [rows, hidden].
+
+        Row r attends to its visible cached rows and to itself, as if it alone were appended at
+        ``positions[r]``: what a drafting step computes, for R alternatives at once (contextual
+        correction scores every candidate's successor this way, in one call). The cache comes
+        from :meth:`forward` with full attention (no far memory: its keys are stored unrotated).
+        """
+        num_rows = features.shape[0]
+        hidden, normed, key, value = self._inputs(features[:, None], next_embeds[:, None])  # key, value: [R, kv_heads, 1, head_dim]
+        cos, sin = rotary_cos_sin(positions.float(), self.inv_freq)  # [R, head_dim]
+        cos, sin = cos[:, None, None], sin[:, None, None]  # [R, 1, 1, head_dim]
+        query, key = apply_rotary(self._query(normed), cos, sin), apply_rotary(key, cos, sin)
+        visible = None if context_visible is None else context_visible[:, None, None, :]
+        attended = shared_prefix_attention(query, context, visible, (key, value), causal=False)  # [R, heads, 1, head_dim]
+        return self._finish(hidden, attended)[:, 0].reshape(num_rows, -1)
 
     def unrolled(
         self,

@@ -22,6 +22,8 @@ import torch
 
 from verispec.drafters.eagle.acceptance import accepted_prefixes, check_recorded_text
 from verispec.drafters.parallel.drafter import ParallelDrafter, draft_paths
+from verispec.drafters.parallel.head import cached
+from verispec.engine.kv_cache import LayerKVCache
 
 
 @torch.no_grad()
@@ -43,10 +45,15 @@ def accepted_from_every_start(
     count = min(drafter.block_size, gamma)
     embeds = drafter.embed(tokens[None, 1:]).float()  # [1, n-1, hidden]: x_{i+1} of context row i
     context, outputs = drafter.head.encode_context(features[None, :-1].float(), embeds)
+    corrector_context = None
+    if drafter.corrector is not None:  # its keys/values of every context row, as its cached catch-up holds them
+        corrector_cache = LayerKVCache()
+        drafter.corrector(features[None, :-1].float(), embeds, cache=corrector_cache, last_only=True)
+        corrector_context = cached(corrector_cache)
     rows = torch.arange(num_tokens - 1)
     drafted = [torch.full((min(first_row, num_tokens - 2), count), -2, dtype=torch.long)]  # rows no round starts from
     for first in range(first_row, num_tokens - 2, starts_per_call):
         last_rows = torch.arange(first, min(first + starts_per_call, num_tokens - 2))  # [B]: r, each round's last context row
         visible = rows[None] <= last_rows[:, None]  # [B, n-1]
-        drafted.append(draft_paths(drafter, context, outputs[0, last_rows], last_rows + 1, count, visible).tokens)
+        drafted.append(draft_paths(drafter, context, outputs[0, last_rows], last_rows + 1, count, visible, corrector_context=corrector_context).tokens)
     return accepted_prefixes(torch.cat(drafted), tokens, target_choice)

@@ -31,8 +31,11 @@ import torch
 
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
+from verispec.drafters.eagle.checkpoint import load_head
+from verispec.drafters.eagle.head import EagleHead
 from verispec.drafters.parallel.checkpoint import load_parallel_head
 from verispec.drafters.parallel.head import ParallelHead, cached
+from verispec.drafters.shared_prefix import KeysValues
 from verispec.drafters.parallel.lattice import best_path
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.sampling import SamplingParams
@@ -49,6 +52,9 @@ class ParallelDrafter:
     ``alternatives``: in greedy decoding, offer this many runner-up candidates per position
     (:attr:`Proposal.alternatives`, scored by q_draft of the drafted path before them times their
     own), which a decoder with ``tree_rows`` verifies beside the path as a one-level draft tree.
+    ``corrector``: an EAGLE head (or its checkpoint) that scores the pair fit instead of the
+    parallel head's known-slot pass: one EAGLE step per (position, candidate), reading slot i's
+    drafted feature with the candidate as the token one step ahead (:func:`_successor_fit`).
     """
 
     needs_target_features = True
@@ -64,9 +70,14 @@ class ParallelDrafter:
         correction: bool = True,
         quantize: bool = False,
         alternatives: int = 0,
+        corrector: EagleHead | str | os.PathLike | None = None,
         name: str = "parallel",
     ) -> None:
         target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, ParallelHead, load_parallel_head, "ParallelDrafter", quantize=quantize)
+        if corrector is not None and not correction:
+            raise ValueError("corrector scores contextual correction: it needs correction=True")
+        # The EAGLE head's own draft vocabulary is not used: the fit reads the m candidates' LM-head rows.
+        self.corrector = None if corrector is None else resolve_head(target, corrector, None, EagleHead, load_head, "ParallelDrafter(corrector)", quantize=quantize)[2]
         block_size = head.config.block_size if block_size is None else block_size
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= head.config.block_size:
             raise ValueError(f"block_size must be an integer in [1, {head.config.block_size}] (the head's K), got {block_size!r}")
@@ -109,6 +120,7 @@ def draft_paths(
     count: int,  # drafts per row, 1 .. the head's K
     visible: torch.Tensor | None = None,  # [B, P] bool: context positions each row sees (None: all)
     width: int | None = None,  # candidates ranked per position (default: the drafter's m; more for runner-ups)
+    corrector_context: KeysValues | None = None,  # [1, kv_heads, P, head_dim]: the corrector's cached context (with a corrector)
 ) -> BlockDrafts:
     """The drafted path of each of B rows (the lattice of the drafter's m best per position).
 
@@ -125,7 +137,10 @@ def draft_paths(
     choice = torch.zeros(index.shape[:2], dtype=torch.long)  # [B, count]: top-1 per position
     passes = 1
     if drafter.correction and count > 1 and drafter.candidates > 1:
-        pair = _pair_fit(drafter, encoded, anchors, starts, lattice, visible)  # [B, count-1, m, m]
+        if drafter.corrector is not None:
+            pair = _successor_fit(drafter, corrector_context, hidden, starts, lattice, visible)  # [B, count-1, m, m]
+        else:
+            pair = _pair_fit(drafter, encoded, anchors, starts, lattice, visible)
         choice = torch.stack([best_path(unary[row], pair[row])[0] for row in range(len(index))])
         passes = 2
     token_ids = index if drafter.vocab_ids is None else drafter.vocab_ids[index]  # [B, count, width]
@@ -171,15 +186,58 @@ def _pair_fit(
     row_visible = None if visible is None else visible[owner]
     hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible)  # [rows, K, hidden]
     following = hidden[torch.arange(rows), position + 1].view(batch, count - 1, width, hidden_size)  # ĥ_{i+1}
+    return _fit_over_candidates(drafter, following, index)
+
+
+def _successor_fit(
+    drafter: ParallelDrafter,
+    context: KeysValues | None,  # [1, kv_heads, P, head_dim]: the corrector's cached context
+    slot_features: torch.Tensor,  # [B, count, hidden]: ĥ_i, the drafted feature of each position
+    starts: torch.Tensor,  # [B] long: block positions L
+    index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
+    visible: torch.Tensor | None,  # [B, P] bool or None
+) -> torch.Tensor:
+    """pair[b, i, c, c'] # [B, count-1, m, m] from the EAGLE corrector, ONE call of B·(count-1)·m steps.
+
+    Position i's drafted feature ĥ_i stands for f_{L+i}, whose token x_{L+1+i} is candidate c; the
+    EAGLE step at position L+i reads (ĥ_i, embed(c)) — the token one step ahead, as EAGLE was
+    trained — and predicts f_{L+i+1}, the feature that drafts position i+1:
+
+        pair[i, c, c'] = log softmax_{c'}( W_{cand[i+1, c']} · EAGLE(ĥ_i, embed(cand[i, c]) | context) )
+
+    Unlike the parallel head's own known-slot pass, the successor is conditioned on c through the
+    layer's input, not only through attention. Each step sees the real context, not the other
+    drafted positions."""
+    if context is None:
+        raise ValueError("a corrector's pair fit needs its cached context (corrector_context)")
+    batch, count, width = index.shape
+    hidden_size = slot_features.shape[-1]
+    features = slot_features[:, :-1, None].expand(batch, count - 1, width, hidden_size).reshape(-1, hidden_size)
+    tokens = index[:, :-1].reshape(-1)  # candidate c at i, per step
+    tokens = tokens if drafter.vocab_ids is None else drafter.vocab_ids[tokens]
+    positions = (starts[:, None] + torch.arange(count - 1))[..., None].expand(batch, count - 1, width).reshape(-1)
+    owner = torch.arange(batch).repeat_interleave((count - 1) * width)  # the drafted row each step belongs to
+    row_visible = None if visible is None else visible[owner]
+    following = drafter.corrector.independent_steps(features.float(), drafter.embed(tokens).float(), positions, context, row_visible)
+    return _fit_over_candidates(drafter, following.view(batch, count - 1, width, hidden_size), index)
+
+
+def _fit_over_candidates(
+    drafter: ParallelDrafter,
+    following: torch.Tensor,  # [B, count-1, m, hidden]: the feature predicted for position i+1 after candidate c at i
+    index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
+) -> torch.Tensor:
+    """log softmax over the m candidates at i+1 of their LM-head logits # [B, count-1, m, m]."""
     following_ids = index[:, 1:] if drafter.vocab_ids is None else drafter.vocab_ids[index[:, 1:]]  # [B, count-1, m] token ids
     candidate_rows = drafter.lm_head_rows[following_ids].float()  # [B, count-1, m, hidden]: W rows of the candidates at i+1
-    return torch.einsum("bich,bijh->bicj", following, candidate_rows).log_softmax(-1)
+    return torch.einsum("bich,bijh->bicj", following.float(), candidate_rows).log_softmax(-1)
 
 
 class ParallelSession:
     def __init__(self, drafter: ParallelDrafter, alternatives: int = 0) -> None:
         self.drafter, self.alternatives = drafter, alternatives
         self.caches = [LayerKVCache() for _ in drafter.head.layers]
+        self.corrector_cache = LayerKVCache()  # the corrector's keys/values of the same positions (with a corrector)
         self.num_real = 0  # context positions encoded (0 .. num_real-1), all with real target features
         self.anchor: torch.Tensor | None = None  # [1, hidden]: output h of the last encoded position
 
@@ -191,22 +249,27 @@ class ParallelSession:
             return Proposal(tokens=[], probs=None, num_forward_passes=passes)  # no features yet (1-token prompt)
         count = min(drafter.block_size, max_tokens)
         encoded = [cached(cache) for cache in self.caches]
-        drafts = draft_paths(drafter, encoded, self.anchor, torch.tensor([self.num_real]), count, width=self.alternatives + 1)
+        corrector_context = cached(self.corrector_cache) if drafter.corrector is not None else None
+        drafts = draft_paths(drafter, encoded, self.anchor, torch.tensor([self.num_real]), count, width=self.alternatives + 1, corrector_context=corrector_context)
         alternatives = path_runner_ups(drafts, 0, self.alternatives)
         return Proposal(tokens=drafts.tokens[0].tolist(), probs=None, num_forward_passes=passes + drafts.passes, alternatives=alternatives)
 
     def _catch_up(self, context: DraftContext) -> int:
-        """Encode every real feature the head has not seen; return the number of head calls (0 or 1)."""
+        """Encode every real feature the head (and the corrector) has not seen; return the number of
+        head calls (0, 1, or 2 with a corrector)."""
         rows = unseen_context_rows(context, self.num_real, "parallel")
         if rows is None:
             return 0
         fresh, next_tokens = rows
         embeds = self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden]
         _, outputs = self.drafter.head.encode_context(fresh[None].float(), embeds, start=self.num_real, caches=self.caches)
+        if self.drafter.corrector is not None:  # only its keys/values are read later; last_only skips the rest
+            self.drafter.corrector(fresh[None].float(), embeds, start=self.num_real, cache=self.corrector_cache, last_only=True)
         self.anchor = outputs[:, -1]
         self.num_real += len(fresh)
-        return 1
+        return 1 if self.drafter.corrector is None else 2
 
     def close(self) -> None:
         self.caches = [LayerKVCache() for _ in self.drafter.head.layers]
+        self.corrector_cache = LayerKVCache()
         self.num_real, self.anchor = 0, None

@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.eagle.head import EagleConfig, EagleHead
+from verispec.drafters.shared_prefix import KeysValues, shared_prefix_attention
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache
 
-KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys, values # [batch or 1, kv_heads, n, head_dim]
 
 
 @dataclass(frozen=True)
@@ -108,41 +108,10 @@ class DecoderLayer(nn.Module):
         query = apply_rotary(self.q_proj(normed).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
         key = apply_rotary(self.k_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         value = self.v_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        context = _attention(query, prefix, prefix_visible, (key, value), causal)
+        context = shared_prefix_attention(query, prefix, prefix_visible, (key, value), causal)
         hidden = hidden + self.o_proj(context.transpose(1, 2).reshape(batch, num_new, -1))
         normed = self.post_attention_norm(hidden)
         return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), (key, value)
-
-
-def _attention(
-    query: torch.Tensor,  # [batch, heads, n, head_dim]
-    prefix: KeysValues | None,  # [batch or 1, kv_heads, P, head_dim]
-    prefix_visible: torch.Tensor | None,  # [batch, 1, 1, P] bool
-    own: KeysValues,  # [batch, kv_heads, n, head_dim]
-    causal: bool,
-) -> torch.Tensor:
-    """softmax(q·kᵀ/√d) · v over [prefix keys ; own keys], grouped-query, # [batch, heads, n, head_dim].
-
-    The prefix (a cached context) is broadcast over the batch, not copied: the correction pass
-    runs (K-1)·m block rows over one context.
-    """
-    batch, heads, num_new, head_dim = query.shape
-    kv_heads = own[0].shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads * num_new, head_dim) / math.sqrt(head_dim)
-    own_scores = grouped @ own[0].transpose(-1, -2)  # [batch, kv, group·n, n]
-    if causal and num_new > 1:
-        future = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)
-        own_scores = own_scores.masked_fill(future, float("-inf"))
-    if prefix is None:
-        weights = own_scores.softmax(-1)
-        return (weights @ own[1]).reshape(batch, heads, num_new, head_dim)
-    prefix_scores = grouped @ prefix[0].transpose(-1, -2)  # [batch, kv, group·n, P]
-    if prefix_visible is not None:
-        prefix_scores = prefix_scores.masked_fill(~prefix_visible, float("-inf"))
-    weights = torch.cat((prefix_scores, own_scores), dim=-1).softmax(-1)
-    num_prefix = prefix_scores.shape[-1]
-    out = weights[..., :num_prefix] @ prefix[1] + weights[..., num_prefix:] @ own[1]
-    return out.reshape(batch, heads, num_new, head_dim)
 
 
 class ParallelHead(nn.Module):
