@@ -94,9 +94,7 @@ class DraftModel:
         for argument, threshold in (("confidence_threshold", confidence_threshold), ("path_confidence", path_confidence)):
             if threshold is not None and not 0.0 <= threshold < 1.0:
                 raise ValueError(f"{argument} must be in [0, 1) or None, got {threshold!r}")
-        if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
-            raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
-        self.alternatives = alternatives
+        self.alternatives = checked_alternatives(alternatives)
         self.name = name
         self.confidence_threshold = confidence_threshold
         self.path_confidence = path_confidence
@@ -209,6 +207,13 @@ def round_stops(token_prob: float, path_prob: float, confidence_threshold: float
     if confidence_threshold is not None and token_prob < confidence_threshold:
         return True
     return path_confidence is not None and path_prob < path_confidence
+
+
+def checked_alternatives(alternatives: int) -> int:
+    """A drafter's ``alternatives`` argument (runner-ups offered per draft), ValueError unless an integer >= 0."""
+    if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
+        raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
+    return alternatives
 
 
 def tree_alternatives(tree_rows: int) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
-from verispec.drafters.draft_model import round_stops, runner_ups
+from verispec.drafters.draft_model import checked_alternatives, round_stops, runner_ups
 from verispec.drafters.draft_vocab import full_vocab_probs, reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
@@ -71,9 +71,7 @@ class EagleDrafter:
     ) -> None:
         if path_confidence is not None and not 0.0 <= path_confidence < 1.0:
             raise ValueError(f"path_confidence must be in [0, 1) or None, got {path_confidence}")
-        if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
-            raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
-        self.alternatives = alternatives
+        self.alternatives = checked_alternatives(alternatives)
         target_model, self.tokenizer, self.head, draft_vocab = resolve_head(target, head, draft_vocab, EagleHead, load_head, "EagleDrafter", quantize=quantize)
         if far_memory is not None and not isinstance(far_memory, FarMemoryConfig):
             raise ValueError(f"far_memory must be a FarMemoryConfig or None, got {type(far_memory).__name__}")

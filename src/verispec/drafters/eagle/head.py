@@ -161,14 +161,13 @@ class EagleHead(nn.Module):
         correction scores every candidate's successor this way, in one call). The cache comes
         from :meth:`forward` with full attention (no far memory: its keys are stored unrotated).
         """
-        num_rows = features.shape[0]
         hidden, normed, key, value = self._inputs(features[:, None], next_embeds[:, None])  # key, value: [R, kv_heads, 1, head_dim]
         cos, sin = rotary_cos_sin(positions.float(), self.inv_freq)  # [R, head_dim]
         cos, sin = cos[:, None, None], sin[:, None, None]  # [R, 1, 1, head_dim]
         query, key = apply_rotary(self._query(normed), cos, sin), apply_rotary(key, cos, sin)
         visible = None if context_visible is None else context_visible[:, None, None, :]
         attended = shared_prefix_attention(query, context, visible, (key, value), causal=False)  # [R, heads, 1, head_dim]
-        return self._finish(hidden, attended)[:, 0].reshape(num_rows, -1)
+        return self._finish(hidden, attended)[:, 0]
 
     def unrolled(
         self,

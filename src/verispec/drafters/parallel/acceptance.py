@@ -44,11 +44,12 @@ def accepted_from_every_start(
         return torch.zeros(0, dtype=torch.long)
     count = min(drafter.block_size, gamma)
     embeds = drafter.embed(tokens[None, 1:]).float()  # [1, n-1, hidden]: x_{i+1} of context row i
-    context, outputs = drafter.head.encode_context(features[None, :-1].float(), embeds)
+    context_features = features[None, :-1].float()  # [1, n-1, hidden]: f_i of context row i
+    context, outputs = drafter.head.encode_context(context_features, embeds)
     corrector_context = None
     if drafter.corrector is not None:  # its keys/values of every context row, as its cached catch-up holds them
         corrector_cache = LayerKVCache()
-        drafter.corrector(features[None, :-1].float(), embeds, cache=corrector_cache, last_only=True)
+        drafter.corrector(context_features, embeds, cache=corrector_cache, last_only=True)
         corrector_context = cached(corrector_cache)
     rows = torch.arange(num_tokens - 1)
     drafted = [torch.full((min(first_row, num_tokens - 2), count), -2, dtype=torch.long)]  # rows no round starts from

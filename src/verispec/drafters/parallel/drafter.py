@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
+from verispec.drafters.draft_model import checked_alternatives
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
@@ -83,10 +84,9 @@ class ParallelDrafter:
             raise ValueError(f"block_size must be an integer in [1, {head.config.block_size}] (the head's K), got {block_size!r}")
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
-        if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
-            raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
         self.head = head
-        self.block_size, self.candidates, self.correction, self.alternatives, self.name = block_size, candidates, correction, alternatives, name
+        self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
+        self.alternatives = checked_alternatives(alternatives)
         self.embed = target_model.get_input_embeddings()
         target_lm_head = target_model.get_output_embeddings()
         self.vocab_ids, self.lm_head = reduced_lm_head(target_lm_head, draft_vocab, quantize=quantize)
@@ -173,17 +173,12 @@ def _pair_fit(
     """pair[b, i, c, c'] # [B, count-1, m, m] from one batched pass of B·(count-1)·m blocks: slot i known as candidate c."""
     batch, count, width = index.shape
     block, hidden_size = drafter.head.config.block_size, drafter.head.config.hidden_size
-    per_row = (count - 1) * width  # blocks per drafted row
-    rows = batch * per_row
-    position = torch.arange(count - 1).repeat_interleave(width).repeat(batch)  # [rows]: the known slot i of each block
-    owner = torch.arange(batch).repeat_interleave(per_row)  # [rows]: the drafted row each block belongs to
-    tokens = index[:, :-1].reshape(-1)  # [rows]: candidate c at i
-    tokens = tokens if drafter.vocab_ids is None else drafter.vocab_ids[tokens]
+    position, owner, tokens, row_visible = _candidate_rows(drafter, index, visible)
+    rows = len(position)
     known = torch.zeros(rows, block, dtype=torch.bool)
     known[torch.arange(rows), position] = True
     known_embeds = torch.zeros(rows, block, hidden_size)
     known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
-    row_visible = None if visible is None else visible[owner]
     hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible)  # [rows, K, hidden]
     following = hidden[torch.arange(rows), position + 1].view(batch, count - 1, width, hidden_size)  # ĥ_{i+1}
     return _fit_over_candidates(drafter, following, index)
@@ -212,14 +207,25 @@ def _successor_fit(
         raise ValueError("a corrector's pair fit needs its cached context (corrector_context)")
     batch, count, width = index.shape
     hidden_size = slot_features.shape[-1]
-    features = slot_features[:, :-1, None].expand(batch, count - 1, width, hidden_size).reshape(-1, hidden_size)
-    tokens = index[:, :-1].reshape(-1)  # candidate c at i, per step
-    tokens = tokens if drafter.vocab_ids is None else drafter.vocab_ids[tokens]
-    positions = (starts[:, None] + torch.arange(count - 1))[..., None].expand(batch, count - 1, width).reshape(-1)
-    owner = torch.arange(batch).repeat_interleave((count - 1) * width)  # the drafted row each step belongs to
-    row_visible = None if visible is None else visible[owner]
-    following = drafter.corrector.independent_steps(features.float(), drafter.embed(tokens).float(), positions, context, row_visible)
+    position, owner, tokens, row_visible = _candidate_rows(drafter, index, visible)
+    features = slot_features[owner, position].float()  # [rows, hidden]: ĥ_i of each step
+    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible)
     return _fit_over_candidates(drafter, following.view(batch, count - 1, width, hidden_size), index)
+
+
+def _candidate_rows(
+    drafter: ParallelDrafter,
+    index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
+    visible: torch.Tensor | None,  # [B, P] bool or None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One row per (drafted row b, position i < count-1, candidate c), in that order, as both pair
+    fits lay them out: (i # [rows], b # [rows], candidate c's token id # [rows], b's visible context # [rows, P] or None)."""
+    batch, count, width = index.shape
+    position = torch.arange(count - 1).repeat_interleave(width).repeat(batch)
+    owner = torch.arange(batch).repeat_interleave((count - 1) * width)
+    tokens = index[:, :-1].reshape(-1)
+    tokens = tokens if drafter.vocab_ids is None else drafter.vocab_ids[tokens]
+    return position, owner, tokens, None if visible is None else visible[owner]
 
 
 def _fit_over_candidates(
@@ -261,10 +267,10 @@ class ParallelSession:
         if rows is None:
             return 0
         fresh, next_tokens = rows
-        embeds = self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden]
-        _, outputs = self.drafter.head.encode_context(fresh[None].float(), embeds, start=self.num_real, caches=self.caches)
+        features, embeds = fresh[None].float(), self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden] each
+        _, outputs = self.drafter.head.encode_context(features, embeds, start=self.num_real, caches=self.caches)
         if self.drafter.corrector is not None:  # only its keys/values are read later; last_only skips the rest
-            self.drafter.corrector(fresh[None].float(), embeds, start=self.num_real, cache=self.corrector_cache, last_only=True)
+            self.drafter.corrector(features, embeds, start=self.num_real, cache=self.corrector_cache, last_only=True)
         self.anchor = outputs[:, -1]
         self.num_real += len(fresh)
         return 1 if self.drafter.corrector is None else 2
