@@ -9,7 +9,8 @@ from tiny_models import tiny_target
 from verispec import SpeculativeDecoder
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from verispec.engine.kv_cache import LayerKVCache
-from verispec.drafters.far_memory import FarMemoryConfig, assigned_key_positions, far_memory_attention
+from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, assigned_key_positions, far_memory_attention, far_memory_prefix_attention
+from verispec.drafters.shared_prefix import shared_prefix_attention
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 
 HEAD_DIM = 8
@@ -159,6 +160,56 @@ def test_bad_far_memory_settings_name_the_option(kwargs, option):
 # --- the EAGLE head and the decode ------------------------------------------------------------------
 
 
+def rotated_at(states, positions):
+    """R(p)·x of rows # [..., n, head_dim] at positions # [n]."""
+    cos, sin = rotary_cos_sin(torch.as_tensor(positions).float(), INV_FREQ)
+    return apply_rotary(states, cos, sin)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        FarMemoryConfig("fold", local_window=3, memory_temperature=0.5, memory_weight=2.0),
+        FarMemoryConfig("fold", local_window=4, memory_temperature=1.3, memory_weight=0.4),
+        FarMemoryConfig("local", local_window=3),
+    ],
+)
+def test_rows_after_a_cached_prefix_are_the_causal_far_memory_rows(config):
+    # Rows appended after a cached prefix (a drafting head's block, its correction rows) attend as
+    # the written-out reference says: far_memory_attention, row by row, with their own keys local.
+    prefix_length, num_rows = 9, 3
+    query, keys, values = random_qkv(num_rows, prefix_length + num_rows, seed=5)
+    positions = torch.arange(prefix_length, prefix_length + num_rows)
+    own = (rotated_at(keys[:, prefix_length:], positions)[None], values[:, prefix_length:][None])
+    rows = FarMemoryRows(config, positions[None], INV_FREQ)
+    got = far_memory_prefix_attention(query[None], (keys[None, :, :prefix_length], values[None, :, :prefix_length]), None, own, True, rows)[0]
+    torch.testing.assert_close(got, reference_attention(query, keys, values, prefix_length, config), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefix_rows_with_a_covering_window_are_shared_prefix_attention(causal):
+    # W beyond every distance, T = λ = 1: the blocks' own attention (bidirectional or causal, each
+    # entry seeing its own part of the shared prefix) exactly as drafted without far memory.
+    prefix_length, num_rows, batch = 10, 4, 3
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(batch, 4, num_rows, HEAD_DIM, generator=generator)
+    keys, values = torch.randn(1, 2, prefix_length, HEAD_DIM, generator=generator), torch.randn(1, 2, prefix_length, HEAD_DIM, generator=generator)
+    own_keys, own_values = torch.randn(batch, 2, num_rows, HEAD_DIM, generator=generator), torch.randn(batch, 2, num_rows, HEAD_DIM, generator=generator)
+    starts = torch.tensor([10, 6, 8])  # entry b sees prefix keys < starts[b], its rows at starts[b] ..
+    positions = starts[:, None] + torch.arange(num_rows)
+    visible = (torch.arange(prefix_length)[None] < starts[:, None])[:, None, None, :]
+    own = (torch.stack([rotated_at(own_keys[b], positions[b]) for b in range(batch)]), own_values)
+    cos, sin = rotary_cos_sin(positions.reshape(-1).float(), INV_FREQ)
+    rotated_query = apply_rotary(query, cos.view(batch, 1, num_rows, -1), sin.view(batch, 1, num_rows, -1))
+    expected = shared_prefix_attention(rotated_query, (rotated_at(keys, torch.arange(prefix_length)), values), visible, own, causal)
+    for mode in ("fold", "local"):
+        rows = FarMemoryRows(FarMemoryConfig(mode, local_window=prefix_length + num_rows), positions, INV_FREQ)
+        torch.testing.assert_close(far_memory_prefix_attention(query, (keys, values), visible, own, causal, rows), expected, atol=1e-6, rtol=1e-6)
+    # A short window changes the result (the test would not notice a far memory that does nothing).
+    rows = FarMemoryRows(FarMemoryConfig("fold", local_window=2, memory_temperature=0.5), positions, INV_FREQ)
+    assert not torch.allclose(far_memory_prefix_attention(query, (keys, values), visible, own, causal, rows), expected, atol=1e-3)
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_target()
@@ -212,6 +263,19 @@ def test_bench_methods_pick_the_mode_and_keep_the_window_temperature_and_weight(
             assert decoder.drafter.far_memory is None
         else:
             assert decoder.drafter.far_memory == FarMemoryConfig(mode, 8, 0.7, 2.0)
+    # The parallel methods take it as a setting: parallel...:attention=full|local|fold.
+    from verispec.bench.methods import parse_variant
+    from verispec.drafters.parallel import ParallelConfig, ParallelHead
+
+    torch.manual_seed(0)
+    parallel = ParallelHead(ParallelConfig.for_target(target.config, 24, block_size=3)).eval().requires_grad_(False)
+    for name, expected in [("parallel", None), ("parallel:attention=full", None), ("parallel-corrected:attention=local", FarMemoryConfig("local", 8, 0.7, 2.0)),
+                           ("parallel-corrected-eagle:attention=fold", FarMemoryConfig("fold", 8, 0.7, 2.0))]:  # fmt: skip
+        drafter = build_method(name, target, None, 3, eagle_head=fresh_head(target), parallel_head=parallel, far_memory=settings).decoder.drafter
+        assert drafter.far_memory == expected
+    for name, message in [("eagle:attention=fold", "applies to parallel"), ("parallel:attention=wide", "out of range")]:
+        with pytest.raises(ValueError, match=message):
+            parse_variant(name)
 
 
 # --- the long-context prompt set and the command line ------------------------------------------------

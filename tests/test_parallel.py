@@ -472,7 +472,8 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
     plain = capsys.readouterr().out
     eagle = save_head(tmp_path / "eagle.safetensors", fresh_head(model), draft_vocab=None, fingerprint=target_fingerprint(model))
     by_eagle = ["--pair-fit", "eagle", "--eagle-head", str(eagle)]
-    for extra in ([], ["--no-correction"], ["--block-size", "2", "--candidates", "2"], by_eagle):
+    fold = ["--draft-attention", "fold", "--local-window", "2"]  # far memory for the head and its corrector
+    for extra in ([], ["--no-correction"], ["--block-size", "2", "--candidates", "2"], by_eagle, [*by_eagle, *fold]):
         assert main([*common, "--drafter", "parallel", "--parallel-head", str(path), *extra]) == 0
         assert capsys.readouterr().out == plain
     refused = (
@@ -527,3 +528,127 @@ def test_proposal_cost_times_drafting_only(target):
     assert seconds > 0
     assert len(calls) == 2 + 4  # the untimed catch-up round (catch-up + block), then warm-up + 3 timed block passes
     assert proposal_cost(EagleDrafter(target, fresh_head(target)), context_tokens=20, num_drafts=4, repeats=3) > 0
+
+
+# --- served in batches ------------------------------------------------------------------------------
+
+
+def _feature_drafter(kind, model, trained_head):
+    from verispec.drafters import lookup_then_model
+
+    if kind == "eagle":
+        return EagleDrafter(model, trained_head)
+    if kind == "ngram+eagle":
+        return lookup_then_model(EagleDrafter(model, trained_head))
+    config = ParallelConfig.for_target(model.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
+    head = ParallelHead(config)
+    head.load_eagle(trained_head)  # first drafts as the trained head's: some rounds accept
+    return ParallelDrafter(model, head.eval().requires_grad_(False), candidates=3, corrector=trained_head if kind == "parallel-corrected-eagle" else None)
+
+
+@pytest.mark.parametrize("batching", ["masked", "lean"])
+@pytest.mark.parametrize("kind", ["eagle", "ngram+eagle", "parallel", "parallel-corrected-eagle"])
+def test_served_in_batches_every_request_gets_its_greedy_text_alone(target, trained_head, kind, batching):
+    # `verispec serve --drafter eagle|ngram+eagle|parallel`: rows of different lengths join and share
+    # every verification pass, each hands its own drafter session the features of its own rows.
+    from scheduling import serve_all
+
+    from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
+    from verispec.serving import BatchGammaPolicy, LeanBatchedTarget, Scheduler, SchedulerConfig
+
+    if batching == "lean":
+        if panel_kernels_unavailable_reason() is not None:
+            pytest.skip(f"panel kernels: {panel_kernels_unavailable_reason()}")
+        model = use_panel_kernels(tiny_target(vocab_size=VOCAB))  # the same weights as `target`, own instance
+    else:
+        model = target
+    prompts = [[(7 * i + k) % VOCAB for k in range(3 + i % 4)] for i in (1, 4, 6)] + [[(7 * 2 + k) % VOCAB for k in range(3)] * 3]
+    plain = SpeculativeDecoder(model)
+    expected = [plain.generate(prompt, 24, stop=[]).token_ids for prompt in prompts]
+    config = SchedulerConfig(gamma=3, gamma_policy=BatchGammaPolicy(full_until=8, off_from=40), adaptive_gamma=False)
+    scheduler = Scheduler(model, _feature_drafter(kind, model, trained_head), None, config)
+    assert isinstance(scheduler.target, LeanBatchedTarget) == (batching == "lean")
+    try:
+        answers = serve_all(scheduler, prompts, 24)
+    finally:
+        scheduler.stop()
+    assert [tokens for tokens, _ in answers] == expected
+    stats = [step.stats for _, step in answers]
+    assert all(1 <= accepted + 1 <= 4 for s in stats for accepted in s.accepted_per_round)
+    assert sum(s.num_drafted for s in stats) > 0 and sum(s.num_accepted for s in stats) > 0  # drafts were verified and some kept
+
+
+# --- far memory (long inputs) ---------------------------------------------------------------------
+
+
+def _far_memory_drafter(target, trained_head, correction, far_memory):
+    config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
+    torch.manual_seed(3)  # the same mask slots in every drafter built here
+    head = ParallelHead(config)
+    head.load_eagle(trained_head)
+    corrector = trained_head if correction == "eagle" else None
+    return ParallelDrafter(target, head.eval().requires_grad_(False), candidates=3, correction=bool(correction), corrector=corrector, far_memory=far_memory)
+
+
+def test_parallel_head_blocks_with_far_memory(target):
+    # The cached catch-up and a block (plus correction blocks with known slots and per-row
+    # visibility) with a window covering everything are the head as trained; a short one is not.
+    from verispec.drafters.far_memory import FarMemoryConfig
+
+    head = parallel_head(target, block_size=3, num_layers=2, seed=5)
+    hidden = target.config.hidden_size
+    generator = torch.Generator().manual_seed(1)
+    features, embeds = torch.randn(1, 14, hidden, generator=generator), torch.randn(1, 14, hidden, generator=generator)
+    known_embeds, known = torch.randn(2, 3, hidden, generator=generator), torch.tensor([[True, False, False], [False, True, False]])
+    visible = torch.arange(14)[None] < torch.tensor([[14], [9]])
+
+    def blocks(far_memory):
+        caches = [LayerKVCache() for _ in head.layers]
+        _, first = head.encode_context(features[:, :10], embeds[:, :10], 0, caches, far_memory=far_memory)
+        context, outputs = head.encode_context(features[:, 10:], embeds[:, 10:], 10, caches, far_memory=far_memory)
+        block = head.draft_block(context, outputs[:, -1], torch.tensor([14]), far_memory=far_memory)
+        anchors = torch.stack((outputs[0, -1], first[0, 8]))  # rows 13 and 8: blocks at 14 and 9
+        corrections = head.draft_block(context, anchors, torch.tensor([14, 9]), known_embeds, known, visible, far_memory=far_memory)
+        return torch.cat((first, outputs), dim=1), block, corrections
+
+    as_trained = blocks(None)
+    for mode in ("fold", "local"):
+        for got, expected in zip(blocks(FarMemoryConfig(mode, local_window=20)), as_trained):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    short = blocks(FarMemoryConfig("fold", local_window=3, memory_temperature=0.5))
+    assert not any(torch.allclose(got, expected, atol=1e-3) for got, expected in zip(short, as_trained))
+    with pytest.raises(ValueError, match="LayerKVCache"):
+        head.encode_context(features, embeds, far_memory=FarMemoryConfig("fold", local_window=3))
+
+
+@pytest.mark.parametrize("correction", [False, True, "eagle"])
+def test_greedy_output_is_token_identical_with_far_memory(target, trained_head, correction):
+    from verispec.drafters.far_memory import FarMemoryConfig
+
+    plain = SpeculativeDecoder(target)
+    covering = SpeculativeDecoder(target, _far_memory_drafter(target, trained_head, correction, FarMemoryConfig("fold", local_window=200)), gamma=3)
+    as_trained = SpeculativeDecoder(target, _far_memory_drafter(target, trained_head, correction, None), gamma=3)
+    for mode in ("fold", "local"):
+        drafter = _far_memory_drafter(target, trained_head, correction, FarMemoryConfig(mode, local_window=4, memory_temperature=0.5, memory_weight=2.0))
+        decoder = SpeculativeDecoder(target, drafter, gamma=3)
+        for prompt in ([7, 14, 21], [(7 * 5 + k) % VOCAB for k in range(30)]):
+            result = decoder.generate(prompt, 24, stop=[])
+            assert result.token_ids == plain.generate(prompt, 24, stop=[]).token_ids
+            assert sum(result.stats.drafted_per_round) > 0
+            assert all(1 <= accepted + 1 <= 4 for accepted in result.stats.accepted_per_round)  # 1..gamma+1 tokens a call
+    # A window covering the whole text drafts as trained: the same rounds.
+    prompt = [(7 * 3 + k) % VOCAB for k in range(20)]
+    rounds = [(r.stats.drafted_per_round, r.stats.accepted_per_round) for r in (d.generate(prompt, 24, stop=[]) for d in (covering, as_trained))]
+    assert rounds[0] == rounds[1]
+
+
+def test_far_memory_drafter_refuses_replay_and_bad_configs(target, trained_head):
+    from verispec.drafters.far_memory import FarMemoryConfig
+
+    drafter = _far_memory_drafter(target, trained_head, True, FarMemoryConfig("fold", local_window=4))
+    tokens = torch.tensor([5, 6, 7, 8, 9])
+    with pytest.raises(ValueError, match="far_memory"):
+        accepted_from_every_start(drafter, tokens, torch.zeros(5, target.config.hidden_size), 3, tokens)
+    with pytest.raises(ValueError, match="far_memory must be a FarMemoryConfig"):
+        _far_memory_drafter(target, trained_head, True, "fold")
+    assert _far_memory_drafter(target, trained_head, True, FarMemoryConfig("full")).far_memory is None  # "full": as trained

@@ -118,8 +118,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         from verispec.far_memory_cli import far_memory_from_args
 
         far_memory_from_args(args, None if hasattr(args, "draft_attention") else "fold")  # raises naming the bad option
-        if getattr(args, "draft_attention", "full") != "full" and args.drafter not in EAGLE_DRAFTERS:
-            raise ValueError(f"--draft-attention {args.draft_attention} changes the EAGLE head's attention: it needs --drafter eagle or ngram+eagle")
+        if getattr(args, "draft_attention", "full") != "full" and args.drafter not in (*EAGLE_DRAFTERS, "parallel"):
+            raise ValueError(f"--draft-attention {args.draft_attention} changes a drafting head's attention: it needs --drafter eagle, ngram+eagle or parallel")
 
 
 def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: ANN001 - LoadedModels

@@ -1,7 +1,8 @@
-"""``--draft-attention / --local-window / --memory-temperature / --memory-weight``: far-memory options of EAGLE drafting.
+"""``--draft-attention / --local-window / --memory-temperature / --memory-weight``: far-memory options of head drafting.
 
-Shared by every command that drafts with the EAGLE head (generate, compare, serve, eagle eval; bench
-takes the three numbers and picks the mode per method: eagle, eagle-local, eagle-fold).
+Shared by every command that drafts with the EAGLE or parallel head (generate, compare, serve, eagle
+eval; bench takes the three numbers and picks the mode per method: eagle, eagle-local, eagle-fold,
+and ``parallel...:attention=local|fold``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ _DEFAULTS = FarMemoryConfig()
 
 def add_far_memory_options(sub: argparse.ArgumentParser, *, with_mode: bool = True) -> None:
     if with_mode:
-        sub.add_argument("--draft-attention", choices=ATTENTION_MODES, default="full", help="how the EAGLE head attends over long inputs: full (default, as trained), local (only the last --local-window tokens), fold (local window at exact positions + all older tokens as a far memory at one shared position; training-free)")
+        sub.add_argument("--draft-attention", choices=ATTENTION_MODES, default="full", help="how the EAGLE or parallel head (and its EAGLE corrector) attends over long inputs: full (default, as trained), local (only the last --local-window tokens), fold (local window at exact positions + all older tokens as a far memory at one shared position; training-free)")
     sub.add_argument("--local-window", type=int, default=_DEFAULTS.local_window, metavar="W", help=f"local/fold: tokens that keep their exact positions (default {_DEFAULTS.local_window})")
     sub.add_argument("--memory-temperature", type=float, default=_DEFAULTS.memory_temperature, metavar="T", help=f"fold: far-memory attention logits are divided by T; < 1 sharpens (default {_DEFAULTS.memory_temperature})")
     sub.add_argument("--memory-weight", type=float, default=_DEFAULTS.memory_weight, metavar="LAMBDA", help=f"fold: multiplies the far memory's total attention mass against the local window (default {_DEFAULTS.memory_weight})")

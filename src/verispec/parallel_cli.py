@@ -185,11 +185,15 @@ def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path
 
     from verispec.drafters.draft_model import tree_alternatives
 
+    from verispec.far_memory_cli import far_memory_from_args
+
     quantize = getattr(args, "draft_quantize", "none") == "int8"
     alternatives = tree_alternatives(getattr(args, "tree_rows", 0))
+    far_memory = far_memory_from_args(args) if hasattr(args, "local_window") else None
     return ParallelDrafter(
-        target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives, corrector=corrector
-    )
+        target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives,
+        corrector=corrector, far_memory=far_memory,
+    )  # fmt: skip
 
 
 def print_proposal_costs(args: argparse.Namespace, target, eagle_head: Path | None) -> None:  # noqa: ANN001 - a LoadedModel

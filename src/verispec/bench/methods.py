@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
+from verispec.drafters.far_memory import ATTENTION_MODES
 from verispec.sampling import SamplingParams
 
 
@@ -108,6 +109,8 @@ _OPTIONS = {
                     lambda v: v >= 0, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "prefix": _Option("MB of this method's own prefix caches (target and draft model): prompts start from its earlier prompts' and answers' longest shared prefix; 0 = none (the run's --prefix-cache-mb otherwise)",
                       int, lambda v: v >= 0, lambda base: METHODS[base].family == "ours", "our methods"),
+    "attention": _Option("parallel head (and its EAGLE corrector): how it attends over long inputs — full (as trained), local (the last --local-window tokens only) or fold (far memory: --local-window, --memory-temperature, --memory-weight)",
+                         str, lambda v: v in ATTENTION_MODES, lambda base: base.startswith("parallel"), "parallel, parallel-corrected, parallel-corrected-eagle"),
 }
 METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
@@ -127,6 +130,7 @@ class MethodVariant:
     dhead: int | None = None
     dwin: int | None = None
     prefix: int | None = None
+    attention: str | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -147,7 +151,7 @@ def parse_variant(name: str) -> MethodVariant:
         try:
             number = option.parse(value)
         except ValueError:
-            raise ValueError(f"--methods: {name!r}: {key} must be a number, got {value!r}") from None
+            raise ValueError(f"--methods: {name!r}: {key} must be a number, got {value!r}") from None  # (str options never raise here)
         if not option.valid(number):
             raise ValueError(f"--methods: {name!r}: {key} out of range ({option.help}), got {value}")
         values[key] = number
@@ -302,8 +306,8 @@ def build_method(
     ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods;
     ``head_quantize``: run the EAGLE and parallel heads with int8 linears.
     ``far_memory``: the ``FarMemoryConfig`` whose window / temperature / weight eagle-local and
-    eagle-fold use (each sets its own mode; default: the config's defaults); eagle and
-    eagle-adaptive always attend as trained.
+    eagle-fold use (each sets its own mode; default: the config's defaults), and the parallel
+    methods with an ``attention`` setting; eagle and eagle-adaptive always attend as trained.
     ``parallel_head``: the parallel head (checkpoint path or ``ParallelHead``) for the parallel methods.
     ``draft_settings``: the :class:`~verispec.drafters.draft_model.DraftModelSettings` of our
     draft-model methods (default: its defaults).
@@ -372,9 +376,12 @@ def build_method(
             if eagle_head is None:
                 raise ValueError(f"method {name!r} needs an EAGLE head for its pair fit (--eagle-head PATH, or the bundled head)")
             corrector = eagle_head
+        from verispec.drafters.far_memory import FarMemoryConfig
+
+        attention = replace(far_memory or FarMemoryConfig(), mode=variant.attention) if variant.attention not in (None, "full") else None
         drafter = ParallelDrafter(
             target, parallel_head, candidates=3, correction=name != "parallel", quantize=head_quantize, alternatives=tree_alternatives(tree_rows),
-            corrector=corrector, name=name,
+            corrector=corrector, far_memory=attention, name=name,
         )  # fmt: skip
     elif name.startswith("ngram+"):
         model_drafter = settings.build(draft, name=draft.name)

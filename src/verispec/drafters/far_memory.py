@@ -156,3 +156,77 @@ def _grouped_matmul(grouped: torch.Tensor, shared: torch.Tensor) -> torch.Tensor
     """
     kv_heads, group, rows, width = grouped.shape
     return torch.bmm(grouped.reshape(kv_heads, group * rows, width), shared).view(kv_heads, group, rows, -1)
+
+
+@dataclass(frozen=True)
+class FarMemoryRows:
+    """Where a call's query rows sit, for far-memory attention over a cached prefix (see
+    :func:`far_memory_prefix_attention`): the config, the rows' positions and the rotary frequencies."""
+
+    config: FarMemoryConfig
+    positions: torch.Tensor  # [batch or 1, n] int64: position t of each query row
+    inv_freq: torch.Tensor  # [head_dim/2]
+
+
+def far_memory_prefix_attention(
+    query: torch.Tensor,  # [batch, heads, n, head_dim] UNrotated
+    prefix: tuple[torch.Tensor, torch.Tensor],  # UNrotated keys, values # [batch or 1, kv_heads, P, head_dim]: key s at position s
+    prefix_visible: torch.Tensor | None,  # [batch, 1, 1, P] bool: which prefix keys each batch entry sees (None: all)
+    own: tuple[torch.Tensor, torch.Tensor],  # keys ROTATED at their rows' positions, values # [batch, kv_heads, n, head_dim]
+    causal: bool,  # the n own rows see each other causally (True) or all of each other (False)
+    rows: FarMemoryRows,
+) -> torch.Tensor:
+    """Far-memory attention of rows appended after a shared cached prefix # [batch, heads, n, head_dim].
+
+    What drafting heads run when many short row groups follow one cached context (a parallel
+    head's block and its contextual-correction blocks; the EAGLE corrector's one-step rows): the
+    module docstring's equation with the prefix split per row t into local keys (t-W < s: true
+    positions) and far memory (s <= t-W: the shared position t-W, logits / T, mass × λ; "local"
+    drops it). The rows' own keys are always local, at their true positions: a block (a few rows)
+    is far shorter than any useful window. With W >= every distance this is plain attention
+    (:func:`~verispec.drafters.shared_prefix.shared_prefix_attention` on rotated keys).
+    """
+    batch, heads, num_new, head_dim = query.shape
+    keys, values = prefix
+    kv_heads, num_prefix = own[0].shape[1], keys.shape[2]
+    group, window, scale = heads // kv_heads, rows.config.local_window, 1.0 / math.sqrt(head_dim)
+    position_rows = rows.positions.shape[0]  # batch, or 1 for rows at the same positions in every entry
+    cos, sin = rotary_cos_sin(rows.positions.reshape(-1).float(), rows.inv_freq)
+    rotated = apply_rotary(query, cos.view(position_rows, 1, num_new, -1), sin.view(position_rows, 1, num_new, -1))
+    grouped = rotated.reshape(batch, kv_heads, group * num_new, head_dim) * scale  # query head g·group+j, row r -> index j·n + r
+    row_positions = rows.positions[:, None, :].expand(position_rows, group, num_new).reshape(position_rows, 1, group * num_new, 1)
+    own_scores = grouped @ own[0].transpose(-1, -2)  # [batch, kv, group·n, n]
+    if causal and num_new > 1:
+        future = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).triu(1).repeat(group, 1)
+        own_scores = own_scores.masked_fill(future, -math.inf)
+    parts, part_values = [own_scores], [own[1]]
+    visible = prefix_visible  # [batch, 1, 1, P] or None
+    # Local part: keys within W of some row, rotated at their true positions.
+    local_from = max(0, int(rows.positions.min()) - window + 1) if num_prefix else 0
+    if local_from < num_prefix:
+        key_positions = torch.arange(local_from, num_prefix, device=query.device)
+        cos_k, sin_k = rotary_cos_sin(key_positions.float(), rows.inv_freq)
+        local_scores = grouped @ apply_rotary(keys[:, :, local_from:], cos_k, sin_k).transpose(-1, -2)  # [batch, kv, group·n, P-local_from]
+        masked = row_positions - key_positions >= window
+        if visible is not None:
+            masked = masked | ~visible[..., local_from:]
+        parts.append(local_scores.masked_fill(masked, -math.inf))
+        part_values.append(values[:, :, local_from:])
+    # Far memory: every key at distance W ((R(t)q)·(R(t-W)k) = (R(W)q)·k), sharpened and weighted.
+    memory_end = min(num_prefix, max(0, int(rows.positions.max()) - window + 1))
+    if rows.config.mode == "fold" and memory_end > 0:
+        cos_w, sin_w = rotary_cos_sin(torch.tensor([float(window)], device=query.device), rows.inv_freq)
+        at_window = apply_rotary(query, cos_w, sin_w).reshape(batch, kv_heads, group * num_new, head_dim)
+        memory_scores = (at_window @ keys[:, :, :memory_end].transpose(-1, -2)).mul_(scale / rows.config.memory_temperature).add_(math.log(rows.config.memory_weight))
+        masked = row_positions - torch.arange(memory_end, device=query.device) < window
+        if visible is not None:
+            masked = masked | ~visible[..., :memory_end]
+        parts.append(memory_scores.masked_fill(masked, -math.inf))
+        part_values.append(values[:, :, :memory_end])
+    weights = torch.cat(parts, dim=-1).softmax(-1)  # one softmax over own rows, local window and memory
+    out, first = 0, 0
+    for scores, part in zip(parts, part_values):
+        width = scores.shape[-1]
+        out = out + weights[..., first : first + width] @ part
+        first += width
+    return out.reshape(batch, heads, num_new, head_dim)

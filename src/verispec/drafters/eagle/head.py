@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.far_memory import FarMemoryConfig, far_memory_attention
+from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, far_memory_attention, far_memory_prefix_attention
 from verispec.drafters.shared_prefix import KeysValues, shared_prefix_attention
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
@@ -151,22 +151,27 @@ class EagleHead(nn.Module):
         features: torch.Tensor,  # [rows, hidden]: f_i of each row (real, or drafted by another head)
         next_embeds: torch.Tensor,  # [rows, hidden]: embed(x_{i+1}), the token one step ahead of each row
         positions: torch.Tensor,  # [rows] long: each row's position i
-        context: KeysValues,  # rotated keys, values # [1, kv_heads, P, head_dim]: cached real rows, shared
+        context: KeysValues,  # keys, values # [1, kv_heads, P, head_dim]: cached real rows, shared
         context_visible: torch.Tensor | None = None,  # [rows, P] bool: the cached rows each row sees (None: all)
+        far_memory: FarMemoryConfig | None = None,  # the config the cache was filled with (its keys then unrotated)
     ) -> torch.Tensor:
         """One head step for each of R rows that do not see one another # [rows, hidden].
 
         Row r attends to its visible cached rows and to itself, as if it alone were appended at
         ``positions[r]``: what a drafting step computes, for R alternatives at once (contextual
         correction scores every candidate's successor this way, in one call). The cache comes
-        from :meth:`forward` with full attention (no far memory: its keys are stored unrotated).
+        from :meth:`forward` with the same ``far_memory`` (keys rotated as trained, or unrotated).
         """
         hidden, normed, key, value = self._inputs(features[:, None], next_embeds[:, None])  # key, value: [R, kv_heads, 1, head_dim]
         cos, sin = rotary_cos_sin(positions.float(), self.inv_freq)  # [R, head_dim]
         cos, sin = cos[:, None, None], sin[:, None, None]  # [R, 1, 1, head_dim]
-        query, key = apply_rotary(self._query(normed), cos, sin), apply_rotary(key, cos, sin)
+        query, key = self._query(normed), apply_rotary(key, cos, sin)
         visible = None if context_visible is None else context_visible[:, None, None, :]
-        attended = shared_prefix_attention(query, context, visible, (key, value), causal=False)  # [R, heads, 1, head_dim]
+        if far_memory is not None and far_memory.changes_attention:
+            rows = FarMemoryRows(far_memory, positions[:, None], self.inv_freq)
+            attended = far_memory_prefix_attention(query, context, visible, (key, value), False, rows)  # [R, heads, 1, head_dim]
+        else:
+            attended = shared_prefix_attention(apply_rotary(query, cos, sin), context, visible, (key, value), causal=False)
         return self._finish(hidden, attended)[:, 0]
 
     def unrolled(

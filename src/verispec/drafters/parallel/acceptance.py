@@ -39,6 +39,8 @@ def accepted_from_every_start(
     """Drafts accepted (0..min(gamma, K)) by a greedy round whose catch-up ends at row r, r = 0..n-3 # [n-2]
     (r < first_row: 0, not drafted)."""
     check_recorded_text(tokens, features, gamma)
+    if drafter.far_memory is not None:  # the whole-text encoding below is the trained attention's
+        raise ValueError("replay runs the head as trained: pass a drafter without far_memory")
     num_tokens = len(tokens)
     if num_tokens < 3:
         return torch.zeros(0, dtype=torch.long)

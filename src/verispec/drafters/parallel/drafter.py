@@ -34,6 +34,7 @@ from verispec.drafters.draft_model import checked_alternatives
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
+from verispec.drafters.far_memory import FarMemoryConfig
 from verispec.drafters.parallel.checkpoint import load_parallel_head
 from verispec.drafters.parallel.head import ParallelHead, cached
 from verispec.drafters.shared_prefix import KeysValues
@@ -56,6 +57,8 @@ class ParallelDrafter:
     ``corrector``: an EAGLE head (or its checkpoint) that scores the pair fit instead of the
     parallel head's known-slot pass: one EAGLE step per (position, candidate), reading slot i's
     drafted feature with the candidate as the token one step ahead (:func:`_successor_fit`).
+    ``far_memory``: how the head (and the corrector) attend over long contexts
+    (:mod:`verispec.drafters.far_memory`); None (or mode "full") as trained. Only drafts change.
     """
 
     needs_target_features = True
@@ -72,6 +75,7 @@ class ParallelDrafter:
         quantize: bool = False,
         alternatives: int = 0,
         corrector: EagleHead | str | os.PathLike | None = None,
+        far_memory: FarMemoryConfig | None = None,
         name: str = "parallel",
     ) -> None:
         target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, ParallelHead, load_parallel_head, "ParallelDrafter", quantize=quantize)
@@ -84,6 +88,9 @@ class ParallelDrafter:
             raise ValueError(f"block_size must be an integer in [1, {head.config.block_size}] (the head's K), got {block_size!r}")
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
+        if far_memory is not None and not isinstance(far_memory, FarMemoryConfig):
+            raise ValueError(f"far_memory must be a FarMemoryConfig or None, got {type(far_memory).__name__}")
+        self.far_memory = far_memory if far_memory is not None and far_memory.changes_attention else None
         self.head = head
         self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
         self.alternatives = checked_alternatives(alternatives)
@@ -128,7 +135,7 @@ def draft_paths(
     (:mod:`verispec.drafters.parallel.acceptance`), the same arithmetic either way.
     """
     head = drafter.head
-    hidden = head.draft_block(encoded, anchors, starts, context_visible=visible)[:, :count]  # [B, count, hidden]
+    hidden = head.draft_block(encoded, anchors, starts, context_visible=visible, far_memory=drafter.far_memory)[:, :count]  # [B, count, hidden]
     if head.config.first_from_anchor:  # the first draft as EAGLE makes it (see ParallelConfig)
         hidden = torch.cat((head.norm(anchors)[:, None], hidden[:, 1:]), dim=1)
     log_probs = drafter.lm_head(hidden).float().log_softmax(-1)  # [B, count, draft_vocab]
@@ -179,7 +186,7 @@ def _pair_fit(
     known[torch.arange(rows), position] = True
     known_embeds = torch.zeros(rows, block, hidden_size)
     known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
-    hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible)  # [rows, K, hidden]
+    hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible, far_memory=drafter.far_memory)  # [rows, K, hidden]
     following = hidden[torch.arange(rows), position + 1].view(batch, count - 1, width, hidden_size)  # ĥ_{i+1}
     return _fit_over_candidates(drafter, following, index)
 
@@ -209,7 +216,7 @@ def _successor_fit(
     hidden_size = slot_features.shape[-1]
     position, owner, tokens, row_visible = _candidate_rows(drafter, index, visible)
     features = slot_features[owner, position].float()  # [rows, hidden]: ĥ_i of each step
-    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible)
+    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=drafter.far_memory)
     return _fit_over_candidates(drafter, following.view(batch, count - 1, width, hidden_size), index)
 
 
@@ -268,9 +275,10 @@ class ParallelSession:
             return 0
         fresh, next_tokens = rows
         features, embeds = fresh[None].float(), self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden] each
-        _, outputs = self.drafter.head.encode_context(features, embeds, start=self.num_real, caches=self.caches)
+        far_memory = self.drafter.far_memory
+        _, outputs = self.drafter.head.encode_context(features, embeds, start=self.num_real, caches=self.caches, far_memory=far_memory)
         if self.drafter.corrector is not None:  # only its keys/values are read later; last_only skips the rest
-            self.drafter.corrector(features, embeds, start=self.num_real, cache=self.corrector_cache, last_only=True)
+            self.drafter.corrector(features, embeds, start=self.num_real, cache=self.corrector_cache, far_memory=far_memory, last_only=True)
         self.anchor = outputs[:, -1]
         self.num_real += len(fresh)
         return 1 if self.drafter.corrector is None else 2

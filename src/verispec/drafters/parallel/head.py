@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.eagle.head import EagleConfig, EagleHead
+from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, far_memory_attention, far_memory_prefix_attention
 from verispec.drafters.shared_prefix import KeysValues, shared_prefix_attention
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache
@@ -101,17 +102,39 @@ class DecoderLayer(nn.Module):
         prefix: KeysValues | None,  # earlier positions' keys/values, shared by every row of the batch
         prefix_visible: torch.Tensor | None,  # [batch, 1, 1, prefix] bool: which prefix keys a row may see (None: all)
         causal: bool,  # the n rows see each other causally (context) or all of each other (block)
+        far: FarMemoryRows | None = None,  # far-memory attention over an UNrotated prefix (None: as trained)
     ) -> tuple[torch.Tensor, KeysValues]:
-        """(new hidden # [batch, n, hidden], this call's rotated keys/values # [batch, kv_heads, n, head_dim])."""
+        """(new hidden # [batch, n, hidden], this call's keys/values # [batch, kv_heads, n, head_dim]:
+        keys rotated, or unrotated with ``far`` — what a far-memory cache holds)."""
+        query, key, value = self.project(hidden)
+        rotated_key = apply_rotary(key, cos, sin)
+        if far is None:
+            context = shared_prefix_attention(apply_rotary(query, cos, sin), prefix, prefix_visible, (rotated_key, value), causal)
+            return self.finish(hidden, context), (rotated_key, value)
+        context = far_memory_prefix_attention(query, prefix if prefix is not None else _empty_prefix(key), prefix_visible, (rotated_key, value), causal, far)
+        return self.finish(hidden, context), (key, value)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unrotated query # [batch, heads, n, head_dim], key and value # [batch, kv_heads, n, head_dim] of rows # [batch, n, hidden]."""
         batch, num_new, _ = hidden.shape
         normed = self.input_norm(hidden)
-        query = apply_rotary(self.q_proj(normed).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
-        key = apply_rotary(self.k_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        query = self.q_proj(normed).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)
+        key = self.k_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
         value = self.v_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        context = shared_prefix_attention(query, prefix, prefix_visible, (key, value), causal)
+        return query, key, value
+
+    def finish(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Output projection and MLP (residuals included). hidden: # [batch, n, hidden]; context: # [batch, heads, n, head_dim]"""
+        batch, num_new, _ = hidden.shape
         hidden = hidden + self.o_proj(context.transpose(1, 2).reshape(batch, num_new, -1))
         normed = self.post_attention_norm(hidden)
-        return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), (key, value)
+        return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+
+def _empty_prefix(key: torch.Tensor) -> KeysValues:
+    """No cached positions # [batch, kv_heads, 0, head_dim] (a block before any context)."""
+    empty = key[:, :, :0]
+    return empty, empty
 
 
 class ParallelHead(nn.Module):
@@ -147,14 +170,28 @@ class ParallelHead(nn.Module):
         next_embeds: torch.Tensor,  # [batch, n, hidden]: embed(x_{i+1})
         start: int = 0,  # position of the first row
         caches: list[LayerKVCache] | None = None,  # one per layer, batch 1; None: the n rows alone
+        far_memory: FarMemoryConfig | None = None,  # cached path only; None or mode "full": as trained
     ) -> tuple[list[KeysValues], torch.Tensor]:
         """(keys/values of every context position so far, per layer # [batch, kv_heads, start+n, head_dim];
-        the n rows' outputs h_i before the final norm # [batch, n, hidden])."""
+        the n rows' outputs h_i before the final norm # [batch, n, hidden]).
+
+        With ``far_memory`` (mode "local" or "fold") the caches hold UNrotated keys, placed per
+        (row, key) at attention time (:mod:`verispec.drafters.far_memory`), and the rows attend
+        with far memory; blocks drafted after them must pass the same config to :meth:`draft_block`."""
         if caches is not None and (features.shape[0] != 1 or any(cache.length != start for cache in caches)):
             raise ValueError(f"a cached context step takes batch 1 at position {caches[0].length}, got batch {features.shape[0]} at {start}")
         hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
-        cos, sin = self._rope(torch.arange(start, start + features.shape[1], device=features.device))
         everything = []
+        if far_memory is not None and far_memory.changes_attention:
+            if caches is None:
+                raise ValueError("far-memory attention runs on the cached (drafting) path: pass a LayerKVCache per layer")
+            for layer, cache in zip(self.layers, caches):
+                query, key, value = layer.project(hidden)
+                keys, values = cache.append(key[0], value[0])  # unrotated: a key's position depends on the query row
+                hidden = layer.finish(hidden, far_memory_attention(query[0], keys, values, start, self.inv_freq, far_memory)[None])
+                everything.append((keys[None], values[None]))
+            return everything, hidden
+        cos, sin = self._rope(torch.arange(start, start + features.shape[1], device=features.device))
         for index, layer in enumerate(self.layers):
             prefix = None if caches is None or start == 0 else cached(caches[index])
             hidden, (key, value) = layer(hidden, cos, sin, prefix, None, causal=True)
@@ -173,6 +210,7 @@ class ParallelHead(nn.Module):
         known_embeds: torch.Tensor | None = None,  # [batch, K, hidden]: embed(token) of known slots (others ignored)
         known: torch.Tensor | None = None,  # [batch, K] bool: which slots are given as known tokens
         context_visible: torch.Tensor | None = None,  # [batch, P] bool: context positions a row may see (None: all)
+        far_memory: FarMemoryConfig | None = None,  # the config the context was encoded with (its keys then unrotated)
     ) -> torch.Tensor:
         """Normed features of the K block slots # [batch, K, hidden]; slot j drafts x_{L+1+j}."""
         block = self.config.block_size
@@ -191,8 +229,9 @@ class ParallelHead(nn.Module):
         cos, sin = self._rope(positions)
         cos, sin = cos[:, None], sin[:, None]  # [batch, 1, K, head_dim]
         visible = None if context_visible is None else context_visible[:, None, None, :]
+        far = FarMemoryRows(far_memory, positions, self.inv_freq) if far_memory is not None and far_memory.changes_attention else None
         for layer, prefix in zip(self.layers, context):
-            hidden, _ = layer(hidden, cos, sin, prefix, visible, causal=False)
+            hidden, _ = layer(hidden, cos, sin, prefix, visible, causal=False, far=far)
         return self.norm(hidden)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
