@@ -652,3 +652,31 @@ def test_far_memory_drafter_refuses_replay_and_bad_configs(target, trained_head)
     with pytest.raises(ValueError, match="far_memory must be a FarMemoryConfig"):
         _far_memory_drafter(target, trained_head, True, "fold")
     assert _far_memory_drafter(target, trained_head, True, FarMemoryConfig("full")).far_memory is None  # "full": as trained
+
+
+@pytest.mark.parametrize("correction", [True, "eagle"])
+def test_correction_keeps_the_anchors_first_draft_and_chooses_what_follows(target, trained_head, correction):
+    # With first_from_anchor the first draft is EAGLE's readout: the lattice may not overrule it.
+    import verispec.drafters.parallel.drafter as drafter_module
+
+    drafter = _far_memory_drafter(target, trained_head, correction, None)
+    uncorrected = _far_memory_drafter(target, trained_head, False, None)
+    lattices = []
+    best_path = drafter_module.best_path
+
+    def spy(unary, pair):
+        lattices.append(unary.clone())
+        return best_path(unary, pair)
+
+    drafter_module.best_path = spy
+    try:
+        for prompt in ([7, 14, 21, 28], [(7 * 5 + k) % VOCAB for k in range(12)], [3, 90, 41, 5, 5, 5]):
+            session, plain_session = drafter.start(prompt, SamplingParams()), uncorrected.start(prompt, SamplingParams())
+            with torch.no_grad():
+                features = target.model(torch.tensor([prompt])).last_hidden_state[0, :-1]
+            context = DraftContext(prompt, features, 0)
+            corrected, top1 = session.propose(context, 3, torch.Generator()).tokens, plain_session.propose(context, 3, torch.Generator()).tokens
+            assert corrected[0] == top1[0]
+    finally:
+        drafter_module.best_path = best_path
+    assert lattices and all(torch.isinf(unary[0, 1:]).all() and torch.isfinite(unary[1:]).all() for unary in lattices)
