@@ -533,6 +533,17 @@ def test_proposal_cost_times_drafting_only(target):
 # --- served in batches ------------------------------------------------------------------------------
 
 
+def _anchored_drafter(target, trained_head, correction, far_memory=None):
+    """A parallel drafter whose head starts from the trained EAGLE head (first drafts from the
+    anchor: some rounds accept); ``correction`` False, True (its own pair fit) or "eagle"."""
+    config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
+    torch.manual_seed(3)  # the same mask slots in every drafter built here
+    head = ParallelHead(config)
+    head.load_eagle(trained_head)
+    corrector = trained_head if correction == "eagle" else None
+    return ParallelDrafter(target, head.eval().requires_grad_(False), candidates=3, correction=bool(correction), corrector=corrector, far_memory=far_memory)
+
+
 def _feature_drafter(kind, model, trained_head):
     from verispec.drafters import lookup_then_model
 
@@ -540,10 +551,7 @@ def _feature_drafter(kind, model, trained_head):
         return EagleDrafter(model, trained_head)
     if kind == "ngram+eagle":
         return lookup_then_model(EagleDrafter(model, trained_head))
-    config = ParallelConfig.for_target(model.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
-    head = ParallelHead(config)
-    head.load_eagle(trained_head)  # first drafts as the trained head's: some rounds accept
-    return ParallelDrafter(model, head.eval().requires_grad_(False), candidates=3, corrector=trained_head if kind == "parallel-corrected-eagle" else None)
+    return _anchored_drafter(model, trained_head, "eagle" if kind == "parallel-corrected-eagle" else True)
 
 
 @pytest.mark.parametrize("batching", ["masked", "lean"])
@@ -579,15 +587,6 @@ def test_served_in_batches_every_request_gets_its_greedy_text_alone(target, trai
 
 
 # --- far memory (long inputs) ---------------------------------------------------------------------
-
-
-def _far_memory_drafter(target, trained_head, correction, far_memory):
-    config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
-    torch.manual_seed(3)  # the same mask slots in every drafter built here
-    head = ParallelHead(config)
-    head.load_eagle(trained_head)
-    corrector = trained_head if correction == "eagle" else None
-    return ParallelDrafter(target, head.eval().requires_grad_(False), candidates=3, correction=bool(correction), corrector=corrector, far_memory=far_memory)
 
 
 def test_parallel_head_blocks_with_far_memory(target):
@@ -626,10 +625,10 @@ def test_greedy_output_is_token_identical_with_far_memory(target, trained_head, 
     from verispec.drafters.far_memory import FarMemoryConfig
 
     plain = SpeculativeDecoder(target)
-    covering = SpeculativeDecoder(target, _far_memory_drafter(target, trained_head, correction, FarMemoryConfig("fold", local_window=200)), gamma=3)
-    as_trained = SpeculativeDecoder(target, _far_memory_drafter(target, trained_head, correction, None), gamma=3)
+    covering = SpeculativeDecoder(target, _anchored_drafter(target, trained_head, correction, FarMemoryConfig("fold", local_window=200)), gamma=3)
+    as_trained = SpeculativeDecoder(target, _anchored_drafter(target, trained_head, correction, None), gamma=3)
     for mode in ("fold", "local"):
-        drafter = _far_memory_drafter(target, trained_head, correction, FarMemoryConfig(mode, local_window=4, memory_temperature=0.5, memory_weight=2.0))
+        drafter = _anchored_drafter(target, trained_head, correction, FarMemoryConfig(mode, local_window=4, memory_temperature=0.5, memory_weight=2.0))
         decoder = SpeculativeDecoder(target, drafter, gamma=3)
         for prompt in ([7, 14, 21], [(7 * 5 + k) % VOCAB for k in range(30)]):
             result = decoder.generate(prompt, 24, stop=[])
@@ -645,13 +644,13 @@ def test_greedy_output_is_token_identical_with_far_memory(target, trained_head, 
 def test_far_memory_drafter_refuses_replay_and_bad_configs(target, trained_head):
     from verispec.drafters.far_memory import FarMemoryConfig
 
-    drafter = _far_memory_drafter(target, trained_head, True, FarMemoryConfig("fold", local_window=4))
+    drafter = _anchored_drafter(target, trained_head, True, FarMemoryConfig("fold", local_window=4))
     tokens = torch.tensor([5, 6, 7, 8, 9])
     with pytest.raises(ValueError, match="far_memory"):
         accepted_from_every_start(drafter, tokens, torch.zeros(5, target.config.hidden_size), 3, tokens)
     with pytest.raises(ValueError, match="far_memory must be a FarMemoryConfig"):
-        _far_memory_drafter(target, trained_head, True, "fold")
-    assert _far_memory_drafter(target, trained_head, True, FarMemoryConfig("full")).far_memory is None  # "full": as trained
+        _anchored_drafter(target, trained_head, True, "fold")
+    assert _anchored_drafter(target, trained_head, True, FarMemoryConfig("full")).far_memory is None  # "full": as trained
 
 
 @pytest.mark.parametrize("correction", [True, "eagle"])
@@ -659,8 +658,8 @@ def test_correction_keeps_the_anchors_first_draft_and_chooses_what_follows(targe
     # With first_from_anchor the first draft is EAGLE's readout: the lattice may not overrule it.
     import verispec.drafters.parallel.drafter as drafter_module
 
-    drafter = _far_memory_drafter(target, trained_head, correction, None)
-    uncorrected = _far_memory_drafter(target, trained_head, False, None)
+    drafter = _anchored_drafter(target, trained_head, correction, None)
+    uncorrected = _anchored_drafter(target, trained_head, False, None)
     lattices = []
     best_path = drafter_module.best_path
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
-from verispec.drafters.far_memory import ATTENTION_MODES
+from verispec.drafters.far_memory import ATTENTION_MODES, FarMemoryConfig
 from verispec.sampling import SamplingParams
 
 
@@ -151,7 +151,7 @@ def parse_variant(name: str) -> MethodVariant:
         try:
             number = option.parse(value)
         except ValueError:
-            raise ValueError(f"--methods: {name!r}: {key} must be a number, got {value!r}") from None  # (str options never raise here)
+            raise ValueError(f"--methods: {name!r}: {key} must be a number, got {value!r}") from None
         if not option.valid(number):
             raise ValueError(f"--methods: {name!r}: {key} out of range ({option.help}), got {value}")
         values[key] = number
@@ -359,8 +359,6 @@ def build_method(
 
         if eagle_head is None:
             raise ValueError(f"method {name!r} needs an EAGLE head (--eagle-head PATH; `verispec eagle build` trains one)")
-        from verispec.drafters.far_memory import FarMemoryConfig
-
         mode = {"eagle-local": "local", "eagle-fold": "fold"}.get(name.removesuffix("-adaptive"))
         settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
         drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path, alternatives=tree_alternatives(tree_rows))
@@ -376,8 +374,6 @@ def build_method(
             if eagle_head is None:
                 raise ValueError(f"method {name!r} needs an EAGLE head for its pair fit (--eagle-head PATH, or the bundled head)")
             corrector = eagle_head
-        from verispec.drafters.far_memory import FarMemoryConfig
-
         attention = replace(far_memory or FarMemoryConfig(), mode=variant.attention) if variant.attention not in (None, "full") else None
         drafter = ParallelDrafter(
             target, parallel_head, candidates=3, correction=name != "parallel", quantize=head_quantize, alternatives=tree_alternatives(tree_rows),

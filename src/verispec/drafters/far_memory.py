@@ -65,6 +65,14 @@ class FarMemoryConfig:
         return self.mode != "full"
 
 
+def checked_far_memory(far_memory: FarMemoryConfig | None) -> FarMemoryConfig | None:
+    """A drafter's ``far_memory`` argument: the config if it changes attention, None for None or
+    mode "full" (the head as trained); ValueError for anything but a FarMemoryConfig or None."""
+    if far_memory is not None and not isinstance(far_memory, FarMemoryConfig):
+        raise ValueError(f"far_memory must be a FarMemoryConfig or None, got {type(far_memory).__name__}")
+    return far_memory if far_memory is not None and far_memory.changes_attention else None
+
+
 def assigned_key_positions(
     query_positions: torch.Tensor,  # [n] int64: positions t of the query rows
     num_keys: int,  # keys at true positions 0 .. num_keys-1

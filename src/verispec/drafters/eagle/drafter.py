@@ -25,7 +25,7 @@ from verispec.drafters.draft_model import checked_alternatives, round_stops, run
 from verispec.drafters.draft_vocab import full_vocab_probs, reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
-from verispec.drafters.far_memory import FarMemoryConfig
+from verispec.drafters.far_memory import FarMemoryConfig, checked_far_memory
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
@@ -73,9 +73,7 @@ class EagleDrafter:
             raise ValueError(f"path_confidence must be in [0, 1) or None, got {path_confidence}")
         self.alternatives = checked_alternatives(alternatives)
         target_model, self.tokenizer, self.head, draft_vocab = resolve_head(target, head, draft_vocab, EagleHead, load_head, "EagleDrafter", quantize=quantize)
-        if far_memory is not None and not isinstance(far_memory, FarMemoryConfig):
-            raise ValueError(f"far_memory must be a FarMemoryConfig or None, got {type(far_memory).__name__}")
-        self.far_memory = far_memory
+        self.far_memory = checked_far_memory(far_memory)
         self.path_confidence = path_confidence or None  # 0 = off
         self.name = name
         self.embed = target_model.get_input_embeddings()

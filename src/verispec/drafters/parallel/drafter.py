@@ -35,7 +35,7 @@ from verispec.drafters.draft_model import checked_alternatives
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
-from verispec.drafters.far_memory import FarMemoryConfig
+from verispec.drafters.far_memory import FarMemoryConfig, checked_far_memory
 from verispec.drafters.parallel.checkpoint import load_parallel_head
 from verispec.drafters.parallel.head import ParallelHead, cached
 from verispec.drafters.shared_prefix import KeysValues
@@ -89,9 +89,7 @@ class ParallelDrafter:
             raise ValueError(f"block_size must be an integer in [1, {head.config.block_size}] (the head's K), got {block_size!r}")
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
-        if far_memory is not None and not isinstance(far_memory, FarMemoryConfig):
-            raise ValueError(f"far_memory must be a FarMemoryConfig or None, got {type(far_memory).__name__}")
-        self.far_memory = far_memory if far_memory is not None and far_memory.changes_attention else None
+        self.far_memory = checked_far_memory(far_memory)
         self.head = head
         self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
         self.alternatives = checked_alternatives(alternatives)
