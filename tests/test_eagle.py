@@ -363,6 +363,44 @@ def test_recorded_answers_are_the_targets_own_with_their_features(target, tmp_pa
         record_answers(loaded, requests, tmp_path, ExtractSettings(max_tokens=10_000), batch_size=3, max_new_tokens=12, progress=False)
 
 
+def test_evaluation_answers_are_recorded_once_and_read_back(target, tmp_path):
+    from verispec.bench.recordings import recorded_answers
+
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    batch_sizes: list[int] = []  # rows of every target call: who was recorded, and together with whom
+    hook = target.model.register_forward_hook(lambda module, args, kwargs, out: batch_sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    texts = ["w1 w2 w3 w1 w2 w3", "w7 w8", "w4 w5 w6 w4"]
+    try:
+        fresh = list(recorded_answers(loaded, texts, 10))  # no directory: recorded, nothing kept
+        assert batch_sizes and set(batch_sizes) == {3}
+        batch_sizes.clear()
+        first = list(recorded_answers(loaded, texts[1:], 10, tmp_path, batch_size=2))
+        assert set(batch_sizes) == {2} and len(list(tmp_path.glob("*.safetensors"))) == 2
+        batch_sizes.clear()
+        # The two kept answers are read back; only the missing one is recorded, alone.
+        again = list(recorded_answers(loaded, texts, 10, tmp_path, batch_size=2))
+        assert set(batch_sizes) == {1} and len(list(tmp_path.glob("*.safetensors"))) == 3
+        for (prompt, tokens, features), (prompt_fresh, tokens_fresh, features_fresh) in zip(again, fresh):
+            assert prompt == prompt_fresh and torch.equal(tokens, tokens_fresh)
+            torch.testing.assert_close(features, features_fresh)
+        for (_, tokens, features), (_, tokens_first, features_first) in zip(again[1:], first):
+            assert torch.equal(tokens, tokens_first) and torch.equal(features, features_first)
+        batch_sizes.clear()
+        list(recorded_answers(loaded, texts, 10, tmp_path, batch_size=2))
+        assert batch_sizes == []  # everything read
+        # Another length limit or a fresh recording asked for runs the target again.
+        list(recorded_answers(loaded, texts[:1], 6, tmp_path))
+        assert batch_sizes and len(list(tmp_path.glob("*.safetensors"))) == 4
+        batch_sizes.clear()
+        list(recorded_answers(loaded, texts[:1], 10, tmp_path, reuse=False))
+        assert batch_sizes
+    finally:
+        hook.remove()
+    assert not list(tmp_path.glob("*.partial"))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        list(recorded_answers(loaded, texts, 0, tmp_path))
+
+
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path):
     loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
     extract_features(loaded, documents(40), tmp_path / "features", ExtractSettings(max_tokens=1600), progress=False)

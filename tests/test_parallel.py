@@ -490,13 +490,15 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
         err = capsys.readouterr().err
         assert "error:" in err and message in err and "Traceback" not in err
     # `verispec parallel eval`: replayed tau per drafter on the target's recorded answers.
-    evaluate = ["parallel", "eval", "--target", str(gguf), "--parallel-head", str(path), "--num-prompts", "2", "--max-new-tokens", "8", "--gamma", "5"]
+    evaluate = ["parallel", "eval", "--target", str(gguf), "--cache-dir", str(tmp_path), "--parallel-head", str(path), "--num-prompts", "2", "--max-new-tokens", "8", "--gamma", "5"]
     assert main([*evaluate, "--no-eagle"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "answers: 0 read from" in err and "2 recorded there" in err
     assert "parallel (parallel.safetensors), 3 drafts a round" in out and "parallel-corrected (m=3)" in out and "eagle" not in out
     assert out.count("2 prompts  tau") == 2
     assert main([*evaluate, "--eagle-head", str(eagle)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "answers: 2 read from" in err and "0 recorded there" in err  # the first evaluation's recordings
     assert "parallel-corrected, EAGLE pair fit (m=3)" in out and "eagle (eagle.safetensors), 5 drafts a round" in out
     assert out.count("2 prompts  tau") == 4
     for extra, message in ((["--gamma", "0"], "--gamma"), (["--eagle-head", str(tmp_path / "none")], "--eagle-head")):

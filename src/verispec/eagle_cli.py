@@ -99,6 +99,7 @@ def add_eval_prompt_options(sub: argparse.ArgumentParser, default_gamma: int) ->
     sub.add_argument("--first-prompt", type=int, default=0, help="index of the first HumanEval problem (default 0, as the bench; e.g. 100 for a dev range the bench never runs)")
     sub.add_argument("--gamma", type=int, default=default_gamma, help=f"drafts per round (default {default_gamma})")
     sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    sub.add_argument("--rerecord", action="store_true", help="replays: record the target's answers again instead of reading those an earlier evaluation kept in <cache>/eagle/<target>/recordings")
 
 
 def check_eval_prompt_options(args: argparse.Namespace) -> None:
@@ -322,27 +323,16 @@ def _replayed_rounds(args: argparse.Namespace, target, head_path: Path, texts: l
     lm_rows = lm_weight[vocab_ids] if vocab_ids is not None else lm_weight
     embed = target.model.get_input_embeddings()
     rounds = []
-    for prompt, tokens, features in recorded_answers(target, texts, args.max_new_tokens):
+    for prompt, tokens, features in answers_for_replay(args, target, texts):
         from_every_start = accepted_from_every_start(head, embed, lm_rows, vocab_ids, tokens, features, args.gamma, full_lm_head=lm_weight)
         rounds.append(replay_rounds(from_every_start, len(prompt) - 2, len(tokens) + 1, args.gamma))
     return rounds
 
 
-def recorded_answers(target, texts: list[str], max_new_tokens: int):  # noqa: ANN001, ANN201 - a LoadedModel -> Iterator
-    """(prompt ids, the fed text # [n] long, its features # [n, hidden]) per text: the target's greedy
-    answer to the chat-templated text, written 16 at a time, with the features that produced it.
+def answers_for_replay(args: argparse.Namespace, target, texts: list[str]):  # noqa: ANN001, ANN201 - a LoadedModel -> Iterator
+    """The target's recorded greedy answers to ``texts`` with their features (bench/recordings.py), read from
+    <cache>/eagle/<target>/recordings where an earlier evaluation left them, unless --rerecord."""
+    from verispec.bench.recordings import default_recordings_dir, recorded_answers
 
-    The recorded answer leaves out its last token (emitted, never fed): the decoded sequence is n + 1 long.
-    """
-    import torch
-    from tqdm import tqdm
-
-    from verispec.drafters.eagle.answers import greedy_answers, stop_and_pad_ids
-    from verispec.models import encode_prompt
-
-    stop_ids, pad_id = stop_and_pad_ids(target)
-    batch = 16  # answers written together: ~8x faster a token than one at a time here
-    for begin in tqdm(range(0, len(texts), batch), desc="record + replay", unit="batch", file=sys.stderr):
-        prompts = [encode_prompt(target.tokenizer, text) for text in texts[begin : begin + batch]]
-        for prompt, (tokens, features) in zip(prompts, greedy_answers(target.model, prompts, max_new_tokens, stop_ids, pad_id)):
-            yield prompt, torch.tensor(tokens), features
+    directory = default_recordings_dir(args.target, args.cache_dir)
+    return recorded_answers(target, texts, args.max_new_tokens, directory, reuse=not args.rerecord)

@@ -106,7 +106,7 @@ def _eval(args: argparse.Namespace) -> int:
     from verispec.drafters.eagle.checkpoint import find_head
     from verispec.drafters.parallel import ParallelDrafter, load_parallel_head
     from verispec.drafters.parallel.acceptance import accepted_from_every_start as parallel_accepted
-    from verispec.eagle_cli import check_eval_prompt_options, eval_prompts, load_target, print_rounds_by_category, recorded_answers
+    from verispec.eagle_cli import answers_for_replay, check_eval_prompt_options, eval_prompts, load_target, print_rounds_by_category
 
     check_eval_prompt_options(args)  # before minutes of loading
     prompts = eval_prompts(args)
@@ -138,7 +138,7 @@ def _eval(args: argparse.Namespace) -> int:
             lambda tokens, features, first_row, choice: accepted_prefixes(drafted_from_every_start(eagle, embed, eagle_rows, eagle_vocab, tokens, features, args.gamma), tokens, choice),
         )  # fmt: skip
     rounds: dict[str, list] = {name: [] for name in scorers}
-    for prompt, tokens, features in recorded_answers(target, [prompt.text for prompt in prompts], args.max_new_tokens):
+    for prompt, tokens, features in answers_for_replay(args, target, [prompt.text for prompt in prompts]):
         first_row = len(prompt) - 2  # the first round's catch-up row: the prompt but its last token is prefilled
         choice = target_choices(features, lm_weight)  # [n]: once per answer, not per drafter (a 151,936-row product)
         for name, (_, gamma, accepted_from_every_start) in scorers.items():

@@ -1,0 +1,114 @@
+"""The target's greedy answers to evaluation prompts, recorded once and kept on disk.
+
+`eagle eval --teacher-forced` and `parallel eval` replay greedy decoding on the target's own answers
+and the features that produced them. Recording the answers is nearly all of such an evaluation's
+time (65 Spec-Bench answers of 128 tokens: over an hour in float32 on a 2-core CPU), the replay
+minutes. So each answer is stored under a key of everything it depends on — the target (its
+fingerprint and the precision it ran in), the chat-templated prompt's ids and the answer's length
+limit — and a later evaluation (another head, other settings, or a run that was interrupted)
+records only the answers that are missing. Files are written atomically: an interrupted write
+leaves no file, never a partial one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ANSWERS_PER_BATCH = 16  # answers written together: ~8x faster a token than one at a time here
+
+
+def default_recordings_dir(target_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """<cache>/eagle/<target>/recordings, beside the target's heads and feature shards."""
+    from verispec.drafters.eagle import default_head_path
+
+    return default_head_path(target_name, cache_dir).with_name("recordings")
+
+
+def answer_key(fingerprint: str, dtype: torch.dtype, max_new_tokens: int, prompt: list[int]) -> str:
+    """A file name for one recorded answer: a hash of the target, its precision, the length limit and the prompt ids."""
+    digest = hashlib.sha256(f"{fingerprint}|{dtype}|{max_new_tokens}|".encode())
+    digest.update(torch.tensor(prompt, dtype=torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def load_answer(directory: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fed tokens # [n], their features # [n, hidden]) stored under ``key``, or None if there is none."""
+    path = directory / f"{key}.safetensors"
+    if not path.is_file():
+        return None
+    tensors = load_file(path)
+    return tensors["tokens"], tensors["features"]
+
+
+def save_answer(
+    directory: Path,
+    key: str,
+    tokens: torch.Tensor,  # [n] int64: prompt and answer as fed to the target
+    features: torch.Tensor,  # [n, hidden]: the target's top-layer features at those positions
+) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{key}.safetensors"
+    partial = path.with_name(f"{key}.partial")
+    save_file({"tokens": tokens.to(torch.int64).contiguous(), "features": features.contiguous()}, str(partial))
+    os.replace(partial, path)  # atomic: a reader sees the whole file or none
+    return path
+
+
+def recorded_answers(
+    target,  # noqa: ANN001 - a LoadedModel
+    texts: list[str],
+    max_new_tokens: int,
+    directory: Path | None = None,
+    *,
+    reuse: bool = True,
+    batch_size: int = ANSWERS_PER_BATCH,
+) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """(prompt ids, the fed text # [n] long, its features # [n, hidden]) per text, in order: the target's
+    greedy answer to the chat-templated text with the features that produced it.
+
+    The recorded answer leaves out its last token (emitted, never fed): the decoded sequence is n + 1 long.
+    With ``directory``, answers found there are read instead of recorded (unless ``reuse`` is False)
+    and every recorded answer is stored there; the missing ones of each group of ``batch_size`` texts
+    are recorded together.
+    """
+    from tqdm import tqdm
+
+    from verispec.drafters.eagle.answers import greedy_answers, stop_and_pad_ids
+    from verispec.drafters.eagle.checkpoint import target_fingerprint
+    from verispec.models import encode_prompt
+
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens} and {batch_size}")
+    stop_ids, pad_id = stop_and_pad_ids(target)
+    prompts = [encode_prompt(target.tokenizer, text) for text in texts]
+    fingerprint, dtype = target_fingerprint(target.model), next(target.model.parameters()).dtype
+    keys = [answer_key(fingerprint, dtype, max_new_tokens, prompt) for prompt in prompts]
+    read = recorded = 0
+    progress = tqdm(total=len(prompts), desc="answers", unit="answer", file=sys.stderr)
+    try:
+        for begin in range(0, len(prompts), batch_size):
+            group = range(begin, min(begin + batch_size, len(prompts)))
+            found = {index: load_answer(directory, keys[index]) for index in group} if directory is not None and reuse else {}
+            missing = [index for index in group if found.get(index) is None]
+            read += len(group) - len(missing)
+            if missing:
+                answers = greedy_answers(target.model, [prompts[index] for index in missing], max_new_tokens, stop_ids, pad_id)
+                for index, (tokens, features) in zip(missing, answers):
+                    found[index] = (torch.tensor(tokens), features)
+                    if directory is not None:
+                        save_answer(directory, keys[index], *found[index])
+                recorded += len(missing)
+            progress.update(len(group))
+            for index in group:
+                yield (prompts[index], *found[index])
+    finally:
+        progress.close()
+        if directory is not None:
+            print(f"answers: {read} read from {directory}, {recorded} recorded there", file=sys.stderr)
