@@ -147,6 +147,31 @@ def test_slots_enter_through_fc_as_context_rows_do(target):
     assert ParallelConfig(**fields).slot_input == "add" and hasattr(parallel_head(target, slot_input="add"), "known")
 
 
+def test_slot_inputs_follow_the_weights_outside_training(target):
+    # Outside training the mask slots' share of fc is kept between blocks; changed weights
+    # (an optimiser step, load_state_dict) must show in the next block, and gradients must reach them.
+    head = parallel_head(target, block_size=3).requires_grad_(True)
+    hidden = target.config.hidden_size
+    context, outputs = head.encode_context(torch.randn(1, 5, hidden), torch.randn(1, 5, hidden))
+    context, anchor, start = [(k.detach(), v.detach()) for k, v in context], outputs[:, -1].detach(), torch.tensor([5])
+    with torch.inference_mode():
+        before = head.draft_block(context, anchor, start)
+        assert torch.equal(head.draft_block(context, anchor, start), before)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.5)
+    head.draft_block(context, anchor, start).square().sum().backward()
+    assert head.mask_embeds.grad is not None and head.mask_embeds.grad.abs().sum() > 0
+    optimizer.step()
+    with torch.no_grad():
+        stepped = head.draft_block(context, anchor, start)
+        assert not torch.allclose(stepped, before)
+        fresh = parallel_head(target, block_size=3, seed=1)  # nothing kept yet
+        fresh.load_state_dict(head.state_dict())
+        torch.testing.assert_close(stepped, fresh.draft_block(context, anchor, start))
+        other = parallel_head(target, block_size=3, seed=2)
+        head.load_state_dict(other.state_dict())
+        torch.testing.assert_close(head.draft_block(context, anchor, start), other.draft_block(context, anchor, start))
+
+
 @pytest.mark.parametrize(("field", "value"), [("block_size", 0), ("num_layers", 3), ("slot_input", "concat")])
 def test_bad_parallel_config_names_the_field(field, value):
     good = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=16, vocab_size=10)
