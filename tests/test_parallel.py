@@ -147,9 +147,10 @@ def test_slots_enter_through_fc_as_context_rows_do(target):
     assert ParallelConfig(**fields).slot_input == "add" and hasattr(parallel_head(target, slot_input="add"), "known")
 
 
-def test_slot_inputs_follow_the_weights_outside_training(target):
-    # Outside training the mask slots' share of fc is kept between blocks; changed weights
-    # (an optimiser step, load_state_dict) must show in the next block, and gradients must reach them.
+def test_slot_inputs_follow_the_weights(target):
+    # fc is computed by halves (the mask slots' half separately): changed weights (an optimiser
+    # step, load_state_dict) must show in the next block, and gradients must reach the masks.
+    # (Keeping W_e·m between blocks keyed by version counters went stale after training: this fails then.)
     head = parallel_head(target, block_size=3).requires_grad_(True)
     hidden = target.config.hidden_size
     context, outputs = head.encode_context(torch.randn(1, 5, hidden), torch.randn(1, 5, hidden))
