@@ -149,8 +149,8 @@ def test_slots_enter_through_fc_as_context_rows_do(target):
 
 def test_slot_inputs_follow_the_weights(target):
     # fc is computed by halves (the mask slots' half separately): changed weights (an optimiser
-    # step, load_state_dict) must show in the next block, and gradients must reach the masks.
-    # (Keeping W_e·m between blocks keyed by version counters went stale after training: this fails then.)
+    # step, load_state_dict) must show in the next block, and gradients must reach the masks —
+    # anything that keeps W_e·m between blocks must follow the weights.
     head = parallel_head(target, block_size=3).requires_grad_(True)
     hidden = target.config.hidden_size
     context, outputs = head.encode_context(torch.randn(1, 5, hidden), torch.randn(1, 5, hidden))
@@ -165,7 +165,7 @@ def test_slot_inputs_follow_the_weights(target):
     with torch.no_grad():
         stepped = head.draft_block(context, anchor, start)
         assert not torch.allclose(stepped, before)
-        fresh = parallel_head(target, block_size=3, seed=1)  # nothing kept yet
+        fresh = parallel_head(target, block_size=3, seed=1)  # a head that never drafted
         fresh.load_state_dict(head.state_dict())
         torch.testing.assert_close(stepped, fresh.draft_block(context, anchor, start))
         other = parallel_head(target, block_size=3, seed=2)

@@ -112,11 +112,11 @@ def save_head(
         "target_fingerprint": fingerprint,
         "training": json.dumps(training or {}),
     }
-    return _write(path, tensors, metadata)
+    return write_atomically(path, tensors, metadata)
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
-    """Atomically: a crash leaves the previous file intact."""
+def write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """A safetensors file written atomically: a crash leaves the previous file (or none) intact."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial), metadata=metadata)
@@ -177,7 +177,7 @@ def export_head(source: str | os.PathLike, out: str | os.PathLike, dtype: torch.
         raise ValueError(f"{source} is not a verispec head (format {metadata.get('format')!r})")
     tensors = {name: value.to(dtype).contiguous() if value.is_floating_point() else value for name, value in tensors.items()}
     metadata["exported"] = json.dumps({"from": source.name, "dtype": str(dtype).removeprefix("torch.")})
-    return _write(out, tensors, metadata)
+    return write_atomically(out, tensors, metadata)
 
 
 def load_head(path: str | os.PathLike, target: PreTrainedModel) -> tuple[EagleHead, torch.Tensor | None]:
