@@ -176,6 +176,9 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     eagle = EagleHead(EagleConfig.for_target(model.model.config, 24)).eval()
     built = {name: bench_methods.build_method(name, model, None, gamma=3, eagle_head=eagle, parallel_head=parallel).decoder.drafter for name in ("parallel", "parallel-corrected", "parallel-corrected-eagle")}
     assert [(d.correction, d.corrector is not None) for d in built.values()] == [(False, False), (True, False), (True, True)]
+    assert all(drafter.path_confidence is None for drafter in built.values())  # no path stop unless the name asks for one
+    stopped = bench_methods.build_method("parallel-corrected-eagle:path=0.2", model, None, gamma=3, eagle_head=eagle, parallel_head=parallel)
+    assert stopped.decoder.drafter.path_confidence == 0.2
     with pytest.raises(ValueError, match="needs an EAGLE head"):
         bench_methods.build_method("parallel-corrected-eagle", model, None, gamma=3, parallel_head=parallel)
     # The bench's default methods include exactly what generate/compare run by default.
@@ -268,7 +271,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:dwin=512"], "dwin applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-window", "-1"], "--draft-window must be >= 0"),
-        (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive, eagle, eagle-adaptive, ngram+eagle, ngram+eagle-adaptive only"),
+        (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive, eagle, eagle-adaptive, ngram+eagle, ngram+eagle-adaptive, parallel, parallel-corrected, parallel-corrected-eagle only"),
         (["--draft-path-confidence", "1"], "--draft-path-confidence must be in"),
         (["--methods", "draft-model:vocab"], "got 'vocab'"),
         (["--methods", "draft-model:confidence=1"], "confidence out of range"),

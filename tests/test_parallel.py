@@ -17,7 +17,7 @@ from verispec.drafters.eagle.extract import ExtractSettings, extract_features
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead, best_path, load_parallel_head, save_parallel_head, top_paths
 from verispec.drafters.parallel.acceptance import accepted_from_every_start
-from verispec.drafters.parallel.drafter import _pair_fit, _successor_fit
+from verispec.drafters.parallel.drafter import _pair_fit, _successor_fit, path_lengths
 from verispec.drafters.parallel.head import cached
 from verispec.drafters.parallel.train import BlockObjective, ParallelTrainSettings, train_parallel_head
 from verispec.models import LoadedModel
@@ -269,6 +269,37 @@ def test_one_block_pass_per_round_plus_one_for_correction(target, correction, bl
             hook.remove()
 
 
+@pytest.mark.parametrize("correction", [True, "eagle"])
+def test_path_stop_corrects_only_the_positions_it_could_keep(target, correction):
+    # No path is likelier than the top-1 one: correction past where that falls below the threshold
+    # would choose drafts nobody verifies. Rows the correction pass runs (head blocks or EAGLE steps)
+    # are counted; a threshold no top-1 path reaches drafts exactly as without the stop.
+    head, corrector = parallel_head(target, block_size=4), fresh_head(target) if correction == "eagle" else None
+    with torch.no_grad():
+        features = target.model(torch.tensor([[1, 2, 3, 4, 5]])).last_hidden_state[0]
+
+    def propose(path_confidence, correction=True):
+        drafter = ParallelDrafter(target, head, candidates=3, correction=correction, corrector=corrector if correction else None, path_confidence=path_confidence)
+        session = drafter.start([1, 2, 3, 4], SamplingParams())
+        session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 4, torch.Generator())  # the catch-up
+        rows = []
+        module = corrector.o_proj if corrector is not None else head.layers[0]
+        hook = module.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[0]))
+        try:
+            proposal = session.propose(DraftContext([1, 2, 3, 4]), 4, torch.Generator())
+        finally:
+            hook.remove()
+        return proposal, rows[-1] if rows and (corrector is not None or len(rows) > 1) else 0  # the correction pass's rows
+
+    unstopped, unstopped_rows = propose(None)
+    assert unstopped_rows == 3 * 3 and len(unstopped.tokens) == 4  # (K-1)·m: every pair
+    loose, loose_rows = propose(1e-30)
+    assert loose.tokens == unstopped.tokens and loose_rows == unstopped_rows
+    strict, strict_rows = propose(0.999999)  # the top-1 path falls below it at once: one draft, nothing to correct
+    top_1, _ = propose(None, correction=False)
+    assert strict.tokens == top_1.tokens[:1] and strict_rows == 0 and strict.num_forward_passes == 1
+
+
 def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
     head = parallel_head(target, block_size=3)
     drafter = ParallelDrafter(target, head, candidates=2)
@@ -337,10 +368,11 @@ def test_eagle_corrector_scores_each_candidate_as_the_token_one_step_ahead(targe
         torch.testing.assert_close(hidden_row, _successor_fit(drafter, short, slots, torch.tensor([3]), index[None], None)[0])
 
 
-@pytest.mark.parametrize(("correction", "candidates"), [(False, 1), (True, 3), ("eagle", 3)])
-def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_head, correction, candidates):
+@pytest.mark.parametrize(("correction", "candidates", "path"), [(False, 1, None), (True, 3, None), ("eagle", 3, None), (False, 1, 0.9), ("eagle", 3, 0.9)])
+def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_head, correction, candidates, path):
     # Teacher-forced replay (parallel eval) must count exactly the drafts the engine accepts on
-    # the target's own greedy answer: same rounds, same drafted and accepted per round.
+    # the target's own greedy answer: same rounds, same drafted and accepted per round — also
+    # where the path stop ends rounds early (path 0.9: most rounds).
     from verispec.drafters.eagle.acceptance import replay_rounds, target_choices
 
     torch.manual_seed(3)
@@ -348,19 +380,22 @@ def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_hea
     head = ParallelHead(config)
     head.load_eagle(trained_head)  # drafts the first token as the trained EAGLE head does: some rounds accept
     corrector = trained_head if correction == "eagle" else None
-    drafter = ParallelDrafter(target, head.eval().requires_grad_(False), candidates=candidates, correction=bool(correction), corrector=corrector)
+    drafter = ParallelDrafter(target, head.eval().requires_grad_(False), candidates=candidates, correction=bool(correction), corrector=corrector, path_confidence=path)
     prompt = [5, 17, 3, 40, 22, 9, 31]
     result = SpeculativeDecoder(target, drafter, gamma=3).generate(prompt, 30, stop=[])
     text = prompt + result.token_ids[:-1]  # the last token is emitted, never fed
     with torch.no_grad():
         features = target.model(torch.tensor([text])).last_hidden_state[0]
     choice = target_choices(features, target.get_output_embeddings().weight)
-    accepted = accepted_from_every_start(drafter, torch.tensor(text), features, 3, choice, starts_per_call=4)
-    assert torch.equal(accepted_from_every_start(drafter, torch.tensor(text), features, 3, choice, first_row=len(prompt) - 2)[len(prompt) - 2 :], accepted[len(prompt) - 2 :])
-    rounds = replay_rounds(accepted, len(prompt) - 2, len(text) + 1, 3)
+    drafted, accepted = accepted_from_every_start(drafter, torch.tensor(text), features, 3, choice, starts_per_call=4)
+    later = accepted_from_every_start(drafter, torch.tensor(text), features, 3, choice, first_row=len(prompt) - 2)
+    assert all(torch.equal(part[len(prompt) - 2 :], whole[len(prompt) - 2 :]) for part, whole in zip(later, (drafted, accepted)))
+    rounds = replay_rounds(accepted, len(prompt) - 2, len(text) + 1, 3, drafted)
     engine_rounds = list(zip(result.stats.drafted_per_round, result.stats.accepted_per_round))
     assert rounds == engine_rounds
     assert sum(accepted for _, accepted in rounds) > 0  # the test sees acceptance, not only rejections
+    full_rounds = sum(1 for num_drafted, _ in rounds[:-3] if num_drafted == 3)  # the last rounds may be cut by the text's end
+    assert (full_rounds < len(rounds) - 3) if path is not None else (full_rounds == len(rounds) - 3)
     with pytest.raises(ValueError, match="gamma"):
         accepted_from_every_start(drafter, torch.tensor(text), features, 0, choice)
 
@@ -378,9 +413,23 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
 
 
+def test_path_stop_keeps_the_path_up_to_its_first_draft_below_the_threshold():
+    # Path probabilities 0.5, 0.25, 0.225 (row 0) and 0.9, 0.81, 0.729 (row 1): the draft that takes
+    # the path below the threshold is kept (as the EAGLE head's rule), nothing after it.
+    path_log_probs = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.9, 0.9, 0.9]])).cumsum(-1)
+    assert path_lengths(path_log_probs, 0.3).tolist() == [2, 3]
+    assert path_lengths(path_log_probs, 0.6).tolist() == [1, 3]
+    assert path_lengths(path_log_probs, 0.85).tolist() == [1, 2]
+    assert path_lengths(path_log_probs, 0.95).tolist() == [1, 1]  # at least one draft
+    assert path_lengths(path_log_probs, None).tolist() == [3, 3]
+
+
 @pytest.mark.parametrize(
     ("options", "argument"),
-    [({"block_size": 5}, "block_size"), ({"block_size": 0}, "block_size"), ({"candidates": 0}, "candidates"), ({"candidates": 97}, "candidates")],
+    [
+        ({"block_size": 5}, "block_size"), ({"block_size": 0}, "block_size"), ({"candidates": 0}, "candidates"), ({"candidates": 97}, "candidates"),
+        ({"path_confidence": 1.0}, "path_confidence"), ({"path_confidence": -0.1}, "path_confidence"),
+    ],  # fmt: skip
 )
 def test_bad_drafter_options_name_the_option(target, options, argument):
     with pytest.raises(ValueError, match=argument):
@@ -520,14 +569,17 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
     assert main([*evaluate, "--no-eagle"]) == 0
     out, err = capsys.readouterr()
     assert "answers: 0 read from" in err and "2 recorded there" in err
-    assert "parallel (parallel.safetensors), 3 drafts a round" in out and "parallel-corrected (m=3)" in out and "eagle" not in out
+    assert "parallel (parallel.safetensors), up to 3 drafts a round, 8 new tokens" in out and "parallel-corrected (m=3)" in out and "eagle" not in out
     assert out.count("2 prompts  tau") == 2
     assert main([*evaluate, "--eagle-head", str(eagle)]) == 0
     out, err = capsys.readouterr()
     assert "answers: 2 read from" in err and "0 recorded there" in err  # the first evaluation's recordings
-    assert "parallel-corrected, EAGLE pair fit (m=3)" in out and "eagle (eagle.safetensors), 5 drafts a round" in out
+    assert "parallel-corrected, EAGLE pair fit (m=3)" in out and "eagle (eagle.safetensors), up to 5 drafts a round" in out
     assert out.count("2 prompts  tau") == 4
-    for extra, message in ((["--gamma", "0"], "--gamma"), (["--eagle-head", str(tmp_path / "none")], "--eagle-head")):
+    assert main([*evaluate, "--no-eagle", "--path-confidence", "0.5"]) == 0  # the parallel drafters' path stop
+    out = capsys.readouterr().out
+    assert "up to 3 drafts a round (path stop 0.5)" in out and "drafts/round" in out
+    for extra, message in ((["--gamma", "0"], "--gamma"), (["--eagle-head", str(tmp_path / "none")], "--eagle-head"), (["--path-confidence", "1"], "--path-confidence")):
         assert main([*evaluate, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err

@@ -279,7 +279,8 @@ def print_rounds_by_category(prompts: list, rounds: list[list[tuple[int, int]]])
         alpha = sum(accepted) / max(1, sum(drafted))
         count = sum(1 for prompt in prompts if category in ("all", prompt.category))
         by_position = ", ".join(f"{rate:.2f}" for rate in acceptance_by_position(drafted, accepted))
-        print(f"  {category:<14} {count:>3} prompts  tau {tau:.2f}  alpha {alpha:.3f}  acceptance by draft position: {by_position}")
+        per_round = sum(drafted) / max(1, len(drafted))  # rows a target pass verifies beyond the one it always runs
+        print(f"  {category:<14} {count:>3} prompts  tau {tau:.2f}  alpha {alpha:.3f}  drafts/round {per_round:.2f}  acceptance by draft position: {by_position}")
 
 
 def eval_prompts(args: argparse.Namespace) -> list:

@@ -57,6 +57,7 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
     evaluate.add_argument("--candidates", type=positive_int, default=3, metavar="M", help="candidates per position for the corrected drafter (default 3)")
     evaluate.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head to compare with (default <cache>/eagle/<target>/head.safetensors, else the bundled head)")
     evaluate.add_argument("--no-eagle", action="store_true", help="leave the EAGLE head out")
+    evaluate.add_argument("--path-confidence", type=float, default=0.0, metavar="P", help="the parallel drafters end a round's path where the product of its block probabilities falls below P, in [0, 1) (0 = off, the default; the EAGLE head drafts all gamma)")
     evaluate.set_defaults(handler=_eval)
 
 
@@ -109,6 +110,8 @@ def _eval(args: argparse.Namespace) -> int:
     from verispec.eagle_cli import answers_for_replay, check_eval_prompt_options, eval_prompts, load_target, print_rounds_by_category
 
     check_eval_prompt_options(args)  # before minutes of loading
+    if not 0.0 <= args.path_confidence < 1.0:
+        raise ValueError(f"--path-confidence must be in [0, 1), got {args.path_confidence}")
     prompts = eval_prompts(args)
     head_path = parallel_head_path(args)
     eagle_path = None if args.no_eagle else args.eagle_head or find_head(args.target, args.cache_dir)
@@ -117,15 +120,16 @@ def _eval(args: argparse.Namespace) -> int:
     target = load_target(args)
     head, vocab = load_parallel_head(head_path, target.model)
     eagle, eagle_vocab = load_head(eagle_path, target.model) if eagle_path is not None else (None, None)
+    stop = {"path_confidence": args.path_confidence or None}
     drafters = {
-        "parallel": ParallelDrafter(target, head, vocab, correction=False, candidates=1),
-        f"parallel-corrected (m={args.candidates})": ParallelDrafter(target, head, vocab, candidates=args.candidates),
+        "parallel": ParallelDrafter(target, head, vocab, correction=False, candidates=1, **stop),
+        f"parallel-corrected (m={args.candidates})": ParallelDrafter(target, head, vocab, candidates=args.candidates, **stop),
     }
     if eagle is not None:  # the same lattice, the pair fit scored by EAGLE steps (--pair-fit eagle)
-        drafters[f"parallel-corrected, EAGLE pair fit (m={args.candidates})"] = ParallelDrafter(target, head, vocab, candidates=args.candidates, corrector=eagle)
+        drafters[f"parallel-corrected, EAGLE pair fit (m={args.candidates})"] = ParallelDrafter(target, head, vocab, candidates=args.candidates, corrector=eagle, **stop)
     lm_weight = target.model.get_output_embeddings().weight.detach().float()  # the target's argmax; float32 once (a bfloat16 target)
     drafts = min(args.gamma, head.config.block_size)  # a parallel round drafts at most the head's K
-    # name -> (head file, drafts a round, accepted drafts from every start of a recorded text)
+    # name -> (head file, drafts a round at most, (drafted or None: all, accepted) from every start of a recorded text)
     scorers = {
         name: (head_path, drafts, lambda tokens, features, first_row, choice, drafter=drafter: parallel_accepted(drafter, tokens, features, drafts, choice, first_row=first_row))
         for name, drafter in drafters.items()
@@ -135,17 +139,19 @@ def _eval(args: argparse.Namespace) -> int:
         embed = target.model.get_input_embeddings()
         scorers["eagle"] = (
             eagle_path, args.gamma,
-            lambda tokens, features, first_row, choice: accepted_prefixes(drafted_from_every_start(eagle, embed, eagle_rows, eagle_vocab, tokens, features, args.gamma), tokens, choice),
+            lambda tokens, features, first_row, choice: (None, accepted_prefixes(drafted_from_every_start(eagle, embed, eagle_rows, eagle_vocab, tokens, features, args.gamma), tokens, choice)),
         )  # fmt: skip
     rounds: dict[str, list] = {name: [] for name in scorers}
     for prompt, tokens, features in answers_for_replay(args, target, [prompt.text for prompt in prompts]):
         first_row = len(prompt) - 2  # the first round's catch-up row: the prompt but its last token is prefilled
         choice = target_choices(features, lm_weight)  # [n]: once per answer, not per drafter (a 151,936-row product)
-        for name, (_, gamma, accepted_from_every_start) in scorers.items():
-            rounds[name].append(replay_rounds(accepted_from_every_start(tokens, features, first_row, choice), first_row, len(tokens) + 1, gamma))
+        for name, (_, gamma, from_every_start) in scorers.items():
+            drafted, accepted = from_every_start(tokens, features, first_row, choice)
+            rounds[name].append(replay_rounds(accepted, first_row, len(tokens) + 1, gamma, drafted))
     for name, per_prompt in rounds.items():
         path, gamma, _ = scorers[name]
-        print(f"{name} ({path.name}), {gamma} drafts a round, {args.max_new_tokens} new tokens, replayed greedy decoding:")
+        stop = f" (path stop {args.path_confidence:g})" if args.path_confidence and name != "eagle" else ""
+        print(f"{name} ({path.name}), up to {gamma} drafts a round{stop}, {args.max_new_tokens} new tokens, replayed greedy decoding:")
         print_rounds_by_category(prompts, per_prompt)
     return 0
 
@@ -182,6 +188,7 @@ def parallel_head_path(args: argparse.Namespace) -> Path:
 def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path, corrector: Path | None = None):  # noqa: ANN001, ANN201 - a LoadedModel -> ParallelDrafter
     """--drafter parallel's drafter; ``corrector``: the EAGLE head scoring the pair fit (--pair-fit eagle)."""
     from verispec.drafters.parallel import ParallelDrafter
+    from verispec.drafters.parallel.drafter import PARALLEL_PATH_CONFIDENCE
 
     from verispec.drafters.draft_model import tree_alternatives
 
@@ -192,7 +199,7 @@ def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path
     far_memory = far_memory_from_args(args) if hasattr(args, "local_window") else None
     return ParallelDrafter(
         target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives,
-        corrector=corrector, far_memory=far_memory,
+        corrector=corrector, far_memory=far_memory, path_confidence=PARALLEL_PATH_CONFIDENCE,
     )  # fmt: skip
 
 

@@ -76,7 +76,9 @@ REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-ou
 # so that settings are compared side by side in one run (interleaved prompt by prompt, like methods).
 _DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft", "ngram+draft-adaptive")
 _EAGLE_METHODS = ("eagle", "eagle-adaptive", "ngram+eagle", "ngram+eagle-adaptive")  # (far-memory variants: as measured, no stop rule)
-_TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + ("parallel", "parallel-corrected", "parallel-corrected-eagle")  # drafters offering runner-ups
+_PARALLEL_METHODS = ("parallel", "parallel-corrected", "parallel-corrected-eagle")
+_TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + _PARALLEL_METHODS  # drafters offering runner-ups
+_PATH_METHODS = _TREE_METHODS  # drafters with the path stop rule
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,8 @@ _OPTIONS = {
                      lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "confidence": _Option("draft model: stop a round's drafting below this draft probability, in [0, 1); 0 = never", float, lambda v: 0 <= v < 1,
                           lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
-    "path": _Option("draft model or EAGLE head: stop a round's drafting once the product of its draft probabilities is below this, in [0, 1); 0 = never", float,
-                    lambda v: 0 <= v < 1, lambda base: base in _DRAFT_MODEL_METHODS + _EAGLE_METHODS, ", ".join(_DRAFT_MODEL_METHODS + _EAGLE_METHODS)),
+    "path": _Option("draft model, EAGLE or parallel head: stop a round's drafting (end a parallel head's path) once the product of its draft probabilities is below this, in [0, 1); 0 = never", float,
+                    lambda v: 0 <= v < 1, lambda base: base in _PATH_METHODS, ", ".join(_PATH_METHODS)),
     "tune": _Option("prompt lookup: 1 = each session picks the best-scoring of its lookup rules (the default), 0 = the latest-match rule with capped short matches alone",
                     int, lambda v: v in (0, 1), lambda base: base in ("ngram", "ngram-adaptive"), "ngram, ngram-adaptive"),
     "screen": _Option("greedy target passes: 1 = the LM head's argmax through its exact int8 screen, 0 = every logit in float32 (the run's --greedy-lm-head otherwise)", int,
@@ -377,7 +379,7 @@ def build_method(
         attention = replace(far_memory or FarMemoryConfig(), mode=variant.attention) if variant.attention not in (None, "full") else None
         drafter = ParallelDrafter(
             target, parallel_head, candidates=3, correction=name != "parallel", quantize=head_quantize, alternatives=tree_alternatives(tree_rows),
-            corrector=corrector, far_memory=attention, name=name,
+            corrector=corrector, far_memory=attention, path_confidence=variant.path or None, name=name,
         )  # fmt: skip
     elif name.startswith("ngram+"):
         model_drafter = settings.build(draft, name=draft.name)

@@ -109,7 +109,13 @@ def accepted_prefixes(
     return matches.long().cumprod(dim=1).sum(dim=1)
 
 
-def replay_rounds(accepted: torch.Tensor, first_row: int, num_tokens: int, gamma: int) -> list[tuple[int, int]]:
+def replay_rounds(
+    accepted: torch.Tensor,  # [n-2] long: drafts accepted by the round whose catch-up ends at each row
+    first_row: int,
+    num_tokens: int,
+    gamma: int,
+    drafted: torch.Tensor | None = None,  # [n-2] long: drafts that round makes (None: gamma every round)
+) -> list[tuple[int, int]]:
     """(drafted, accepted) of each round greedy decoding runs over a recorded answer; a round
     emits accepted + 1 tokens (the bonus included), so tau = sum(accepted + 1) / rounds.
 
@@ -118,8 +124,9 @@ def replay_rounds(accepted: torch.Tensor, first_row: int, num_tokens: int, gamma
     never fed: the recorded answers of :func:`greedy_answers` leave it out); ``first_row``: the
     catch-up row of the first round, the prompt's length minus 2 (the engine prefills all of the
     prompt but its last token, which the first round feeds with the drafts of the answer's first
-    tokens). Like the engine, a round never
-    drafts what it could not emit before the text's end.
+    tokens); ``drafted``: a drafter whose rounds can end early (a path stop) drafts this many from
+    each row (never more than gamma). Like the engine, a round never drafts what it could not emit
+    before the text's end.
     """
     if not 0 <= first_row:
         raise ValueError(f"first_row must be >= 0, got {first_row}")
@@ -127,6 +134,8 @@ def replay_rounds(accepted: torch.Tensor, first_row: int, num_tokens: int, gamma
     row = first_row
     while row + 2 < num_tokens:  # a round emits x_{row+2} at least
         num_drafted = min(gamma, num_tokens - row - 3)  # leave room for the token verification adds
+        if drafted is not None and num_drafted:
+            num_drafted = min(num_drafted, int(drafted[row]))
         num_accepted = min(int(accepted[row]), num_drafted) if num_drafted else 0
         rounds.append((num_drafted, num_accepted))
         row += num_accepted + 1

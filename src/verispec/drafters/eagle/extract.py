@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from verispec.drafters.eagle.checkpoint import target_fingerprint
+from verispec.drafters.eagle.checkpoint import target_fingerprint, write_atomically
 from verispec.drafters.eagle.corpus import Document
 from verispec.engine.cached_lm import CachedLM
 from verispec.models.text import encode_chat
@@ -181,16 +181,12 @@ def _write_shard(out: Path, manifest: dict, sequences: list[tuple[torch.Tensor, 
     lengths = torch.tensor([len(tokens) for tokens, _ in sequences], dtype=torch.int64)
     offsets = torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)))
     name = f"shard-{len(manifest['shards']):05d}.safetensors"
-    partial = out / (name + ".partial")
-    save_file(
-        {
-            "tokens": torch.cat([tokens for tokens, _ in sequences]),
-            "features": torch.cat([features for _, features in sequences]).contiguous(),
-            "offsets": offsets,
-        },
-        str(partial),
-    )
-    os.replace(partial, out / name)
+    tensors = {
+        "tokens": torch.cat([tokens for tokens, _ in sequences]),
+        "features": torch.cat([features for _, features in sequences]).contiguous(),
+        "offsets": offsets,
+    }
+    write_atomically(out / name, tensors)
     manifest["shards"].append({"file": name, "sequences": len(sequences), "tokens": int(offsets[-1]), "documents": documents})
     _save_manifest(out, manifest)  # after the shard: a crash in between only redoes that shard
 

@@ -8,8 +8,9 @@ is encoded once for the whole text (causal: row i's keys are the same as the cac
 and every start's block — and, with correction, its (K-1)·m known-slot blocks — sees only its own
 rows through a visibility mask: the same :func:`~verispec.drafters.parallel.drafter.draft_paths`
 a decoding round runs, over many rows at once. Acceptance is then counted as for EAGLE
-(:func:`~verispec.drafters.eagle.acceptance.accepted_prefixes`) and
-:func:`~verispec.drafters.eagle.acceptance.replay_rounds` replays the rounds.
+(:func:`~verispec.drafters.eagle.acceptance.accepted_prefixes`, a path the stop rule ended early
+counting only its kept drafts) and :func:`~verispec.drafters.eagle.acceptance.replay_rounds`
+replays the rounds with each start's number of drafts.
 
 Near the end of a text the engine drafts fewer than K (it never drafts past what it could emit);
 replay scores such a round on the first drafts of a full block, which can differ from a shorter
@@ -35,15 +36,16 @@ def accepted_from_every_start(
     target_choice: torch.Tensor,  # [n] long: the target's argmax at each row (:func:`~verispec.drafters.eagle.acceptance.target_choices`)
     starts_per_call: int = 32,  # rows drafted together (memory: the correction pass runs (K-1)·m blocks per row)
     first_row: int = 0,  # rounds before this row are not drafted (0 there): a prompt's rows, which decoding never starts from
-) -> torch.Tensor:
-    """Drafts accepted (0..min(gamma, K)) by a greedy round whose catch-up ends at row r, r = 0..n-3 # [n-2]
-    (r < first_row: 0, not drafted)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafted # [n-2], accepted # [n-2]) by a greedy round whose catch-up ends at row r, r = 0..n-3:
+    the drafts it makes (min(gamma, K), fewer where the drafter's path stop ends the path) and how
+    many of them are accepted (r < first_row: 0, not drafted)."""
     check_recorded_text(tokens, features, gamma)
     if drafter.far_memory is not None:  # the whole-text encoding below is the trained attention's
         raise ValueError("replay runs the head as trained: pass a drafter without far_memory")
     num_tokens = len(tokens)
     if num_tokens < 3:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
     count = min(drafter.block_size, gamma)
     embeds = drafter.embed(tokens[None, 1:]).float()  # [1, n-1, hidden]: x_{i+1} of context row i
     context_features = features[None, :-1].float()  # [1, n-1, hidden]: f_i of context row i
@@ -54,9 +56,14 @@ def accepted_from_every_start(
         drafter.corrector(context_features, embeds, cache=corrector_cache, last_only=True)
         corrector_context = cached(corrector_cache)
     rows = torch.arange(num_tokens - 1)
-    drafted = [torch.full((min(first_row, num_tokens - 2), count), -2, dtype=torch.long)]  # rows no round starts from
+    skipped = min(first_row, num_tokens - 2)
+    drafted = [torch.full((skipped, count), -2, dtype=torch.long)]  # rows no round starts from
+    lengths = [torch.zeros(skipped, dtype=torch.long)]
     for first in range(first_row, num_tokens - 2, starts_per_call):
         last_rows = torch.arange(first, min(first + starts_per_call, num_tokens - 2))  # [B]: r, each round's last context row
         visible = rows[None] <= last_rows[:, None]  # [B, n-1]
-        drafted.append(draft_paths(drafter, context, outputs[0, last_rows], last_rows + 1, count, visible, corrector_context=corrector_context).tokens)
-    return accepted_prefixes(torch.cat(drafted), tokens, target_choice)
+        paths = draft_paths(drafter, context, outputs[0, last_rows], last_rows + 1, count, visible, corrector_context=corrector_context)
+        # A draft past the path's end is never verified: -2 matches no token.
+        drafted.append(paths.tokens.masked_fill(torch.arange(count)[None] >= paths.lengths[:, None], -2))
+        lengths.append(paths.lengths)
+    return torch.cat(lengths), accepted_prefixes(torch.cat(drafted), tokens, target_choice)
