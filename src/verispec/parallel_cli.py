@@ -150,8 +150,8 @@ def _eval(args: argparse.Namespace) -> int:
             rounds[name].append(replay_rounds(accepted, first_row, len(tokens) + 1, gamma, drafted))
     for name, per_prompt in rounds.items():
         path, gamma, _ = scorers[name]
-        stop = f" (path stop {args.path_confidence:g})" if args.path_confidence and name != "eagle" else ""
-        print(f"{name} ({path.name}), up to {gamma} drafts a round{stop}, {args.max_new_tokens} new tokens, replayed greedy decoding:")
+        stop_note = f" (path stop {args.path_confidence:g})" if args.path_confidence and name != "eagle" else ""
+        print(f"{name} ({path.name}), up to {gamma} drafts a round{stop_note}, {args.max_new_tokens} new tokens, replayed greedy decoding:")
         print_rounds_by_category(prompts, per_prompt)
     return 0
 

@@ -91,13 +91,10 @@ class DraftModel:
         self.context_window = context_window
         if greedy_head not in ("screened", "full"):
             raise ValueError(f"greedy_head must be 'screened' or 'full', got {greedy_head!r}")
-        for argument, threshold in (("confidence_threshold", confidence_threshold), ("path_confidence", path_confidence)):
-            if threshold is not None and not 0.0 <= threshold < 1.0:
-                raise ValueError(f"{argument} must be in [0, 1) or None, got {threshold!r}")
         self.alternatives = checked_alternatives(alternatives)
         self.name = name
-        self.confidence_threshold = confidence_threshold
-        self.path_confidence = path_confidence
+        self.confidence_threshold = checked_threshold(confidence_threshold, "confidence_threshold")
+        self.path_confidence = checked_threshold(path_confidence, "path_confidence")
         lm_head = self.model.get_output_embeddings()
         self.vocab_size = int(lm_head.out_features)
         if isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool):
@@ -207,6 +204,14 @@ def round_stops(token_prob: float, path_prob: float, confidence_threshold: float
     if confidence_threshold is not None and token_prob < confidence_threshold:
         return True
     return path_confidence is not None and path_prob < path_confidence
+
+
+def checked_threshold(value: float | None, argument: str) -> float | None:
+    """A drafter's stop threshold (``path_confidence``, ``confidence_threshold``): None or a
+    number in [0, 1), ValueError naming ``argument`` otherwise (a bool is not a threshold)."""
+    if value is not None and (isinstance(value, bool) or not 0.0 <= value < 1.0):
+        raise ValueError(f"{argument} must be in [0, 1) or None, got {value!r}")
+    return value
 
 
 def checked_alternatives(alternatives: int) -> int:

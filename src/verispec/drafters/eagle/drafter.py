@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
-from verispec.drafters.draft_model import checked_alternatives, round_stops, runner_ups
+from verispec.drafters.draft_model import checked_alternatives, checked_threshold, round_stops, runner_ups
 from verispec.drafters.draft_vocab import full_vocab_probs, reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
@@ -69,8 +69,7 @@ class EagleDrafter:
         alternatives: int = 0,
         name: str = "eagle",
     ) -> None:
-        if path_confidence is not None and not 0.0 <= path_confidence < 1.0:
-            raise ValueError(f"path_confidence must be in [0, 1) or None, got {path_confidence}")
+        path_confidence = checked_threshold(path_confidence, "path_confidence")
         self.alternatives = checked_alternatives(alternatives)
         target_model, self.tokenizer, self.head, draft_vocab = resolve_head(target, head, draft_vocab, EagleHead, load_head, "EagleDrafter", quantize=quantize)
         self.far_memory = checked_far_memory(far_memory)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
-from verispec.drafters.draft_model import checked_alternatives
+from verispec.drafters.draft_model import checked_alternatives, checked_threshold
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
@@ -105,9 +105,7 @@ class ParallelDrafter:
             raise ValueError(f"block_size must be an integer in [1, {head.config.block_size}] (the head's K), got {block_size!r}")
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
-        if path_confidence is not None and (isinstance(path_confidence, bool) or not 0.0 <= path_confidence < 1.0):
-            raise ValueError(f"path_confidence must be in [0, 1) or None, got {path_confidence!r}")
-        self.path_confidence = path_confidence or None  # 0 = off
+        self.path_confidence = checked_threshold(path_confidence, "path_confidence") or None  # 0 = off
         self.far_memory = checked_far_memory(far_memory)
         self.head = head
         self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
