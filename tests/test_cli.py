@@ -235,6 +235,19 @@ def test_costs_bad_token_list(tiny_gguf, capsys):
     assert "--tokens" in capsys.readouterr().err
 
 
+def test_costs_refuses_a_missing_head_before_loading_the_target(tiny_gguf, tmp_path, capsys, monkeypatch):
+    import verispec.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the head paths were checked")
+
+    monkeypatch.setattr(verispec.models, "load_model", no_loading)  # minutes on a real target: refuse first
+    for option in ("--parallel-head", "--eagle-head"):
+        assert main(["costs", "--target", tiny_gguf, "--cache-dir", str(tmp_path), option, str(tmp_path / "missing.safetensors")]) == 2
+        err = capsys.readouterr().err
+        assert "missing.safetensors" in err and "Traceback" not in err
+
+
 def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, capsys):
     common = ["--target", tiny_gguf, "--cache-dir", str(tmp_path)]
     assert main(["eagle", "extract", *common, "--max-tokens", "600", "--max-seq-len", "200"]) == 0

@@ -601,6 +601,9 @@ def _costs(args: argparse.Namespace) -> int:
         if args.eagle_head is not None:
             raise
         head_path = None
+    from verispec.parallel_cli import optional_parallel_head_path, print_proposal_costs
+
+    parallel_head = optional_parallel_head_path(args)  # checked now, not after minutes of timing
     rows = {}
     target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
     float32 = target.model.dtype == torch.float32
@@ -639,9 +642,8 @@ def _costs(args: argparse.Namespace) -> int:
             rows[f"eagle int8, {len(reduced.vocab_ids)} vocab"] = eagle_costs(EagleDrafter(target, head_path, quantize=True), args.context, counts, args.repeats)
         rows["eagle, full vocab"] = eagle_costs(EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
-    from verispec.parallel_cli import print_proposal_costs
-
-    print_proposal_costs(args, target, head_path)
+    if parallel_head is not None:
+        print_proposal_costs(args.context, args.repeats, target, parallel_head, head_path)
     del target
     if args.draft.lower() != "none":
         draft = load_model(args.draft, cache_dir=args.cache_dir)

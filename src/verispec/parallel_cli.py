@@ -203,32 +203,36 @@ def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path
     )  # fmt: skip
 
 
-def print_proposal_costs(args: argparse.Namespace, target, eagle_head: Path | None) -> None:  # noqa: ANN001 - a LoadedModel
+def optional_parallel_head_path(args: argparse.Namespace) -> Path | None:
+    """`verispec costs`: an explicit --parallel-head must exist; the default head is timed if there is one."""
+    try:
+        return parallel_head_path(args)
+    except FileNotFoundError:
+        if args.parallel_head is not None:
+            raise
+        return None
+
+
+def print_proposal_costs(context: int, repeats: int, target, head_path: Path, eagle_head: Path | None) -> None:  # noqa: ANN001 - a LoadedModel
     """`verispec costs`: drafting cost per proposed token, the parallel head's (with and without
-    correction) next to the EAGLE head's, for a round of K drafts. Nothing without a parallel head."""
+    correction) next to the EAGLE head's, for a round of K drafts after a ``context``-token context."""
     from verispec.bench.costs import proposal_cost
     from verispec.drafters.eagle import EagleDrafter, load_head
     from verispec.drafters.parallel import ParallelDrafter, load_parallel_head
 
-    try:
-        head_path = parallel_head_path(args)
-    except FileNotFoundError:
-        if args.parallel_head is not None:
-            raise
-        return
     # Each head file is read once; every drafter below builds on it (int8 ones on their own copy).
     parallel, parallel_vocab = load_parallel_head(head_path, target.model)
     eagle = load_head(eagle_head, target.model) if eagle_head is not None else None
     drafts = parallel.config.block_size
-    print(f"drafting cost per proposed token, rounds of {drafts} drafts after a {args.context}-token context:")
+    print(f"drafting cost per proposed token, rounds of {drafts} drafts after a {context}-token context:")
     for quantize in (False, True):  # the bench drafts in int8 (--draft-quantize int8, the default)
         precision = "int8" if quantize else "float32"
-        costs = {"parallel": proposal_cost(ParallelDrafter(target, parallel, parallel_vocab, correction=False, quantize=quantize), args.context, drafts, args.repeats)}
-        costs["parallel-corrected"] = proposal_cost(ParallelDrafter(target, parallel, parallel_vocab, quantize=quantize), args.context, drafts, args.repeats)
+        costs = {"parallel": proposal_cost(ParallelDrafter(target, parallel, parallel_vocab, correction=False, quantize=quantize), context, drafts, repeats)}
+        costs["parallel-corrected"] = proposal_cost(ParallelDrafter(target, parallel, parallel_vocab, quantize=quantize), context, drafts, repeats)
         if eagle is not None:
             corrected = ParallelDrafter(target, parallel, parallel_vocab, quantize=quantize, corrector=eagle[0])
-            costs["parallel-corrected-eagle"] = proposal_cost(corrected, args.context, drafts, args.repeats)
-            costs["eagle"] = proposal_cost(EagleDrafter(target, *eagle, quantize=quantize), args.context, drafts, args.repeats)
+            costs["parallel-corrected-eagle"] = proposal_cost(corrected, context, drafts, repeats)
+            costs["eagle"] = proposal_cost(EagleDrafter(target, *eagle, quantize=quantize), context, drafts, repeats)
         for name, seconds in costs.items():
             ratio = f" ({seconds / costs['eagle']:.2f}x eagle)" if "eagle" in costs else ""
             print(f"  {name + ', ' + precision:<28}{seconds * 1000:7.2f} ms{ratio}")
