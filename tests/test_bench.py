@@ -179,6 +179,11 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert all(drafter.path_confidence is None for drafter in built.values())  # no path stop unless the name asks for one
     stopped = bench_methods.build_method("parallel-corrected-eagle:path=0.2", model, None, gamma=3, eagle_head=eagle, parallel_head=parallel)
     assert stopped.decoder.drafter.path_confidence == 0.2
+    from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
+
+    assert [drafter.candidates for drafter in built.values()][1:] == [PARALLEL_CANDIDATES] * 2
+    wider = bench_methods.build_method("parallel-corrected-eagle:cand=6", model, None, gamma=3, eagle_head=eagle, parallel_head=parallel)
+    assert wider.decoder.drafter.candidates == 6
     with pytest.raises(ValueError, match="needs an EAGLE head"):
         bench_methods.build_method("parallel-corrected-eagle", model, None, gamma=3, parallel_head=parallel)
     # The bench's default methods include exactly what generate/compare run by default.
@@ -267,12 +272,14 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
         (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
         (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
-        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, dhead, dwin, prefix, attention, got 'speed=11'"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, dhead, dwin, prefix, cand, attention, got 'speed=11'"),
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:dwin=512"], "dwin applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-window", "-1"], "--draft-window must be >= 0"),
         (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive, eagle, eagle-adaptive, ngram+eagle, ngram+eagle-adaptive, parallel, parallel-corrected, parallel-corrected-eagle only"),
         (["--draft-path-confidence", "1"], "--draft-path-confidence must be in"),
+        (["--methods", "parallel:cand=6"], "cand applies to parallel-corrected, parallel-corrected-eagle only"),
+        (["--methods", "parallel-corrected:cand=1"], "cand out of range"),
         (["--methods", "draft-model:vocab"], "got 'vocab'"),
         (["--methods", "draft-model:confidence=1"], "confidence out of range"),
         (["--methods", "draft-model:vocab=many"], "vocab must be a number, got 'many'"),

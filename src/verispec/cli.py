@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from verispec.argtypes import check_probability_below_one
+
 DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not imported: --help loads no torch; a test checks)
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
 DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
@@ -104,10 +106,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if getattr(args, "tree_rows", 0) < 0:
         raise ValueError(f"--tree-rows must be >= 0 (0 = chains only), got {args.tree_rows}")
-    if args.draft_confidence is not None and not 0.0 <= args.draft_confidence < 1.0:
-        raise ValueError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
-    if args.draft_path_confidence is not None and not 0.0 <= args.draft_path_confidence < 1.0:
-        raise ValueError(f"--draft-path-confidence must be in [0, 1), got {args.draft_path_confidence}")
+    check_probability_below_one(args.draft_confidence, "--draft-confidence")
+    check_probability_below_one(args.draft_path_confidence, "--draft-path-confidence")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
     if getattr(args, "draft_window", 0) < 0:

@@ -7,10 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from verispec.argtypes import positive_int
+from verispec.argtypes import check_probability_below_one, positive_int
 
 
 def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
+    from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
     from verispec.drafters.parallel.train import ParallelTrainSettings
     from verispec.eagle_cli import add_model_options
 
@@ -54,7 +55,7 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
     add_target_dtype_option(evaluate, "precision the target runs in while recording its answers: float32 (default) or bfloat16")
     add_eval_prompt_options(evaluate, default_gamma=5)
     evaluate.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head (default <cache>/eagle/<target>/parallel.safetensors)")
-    evaluate.add_argument("--candidates", type=positive_int, default=3, metavar="M", help="candidates per position for the corrected drafter (default 3)")
+    evaluate.add_argument("--candidates", type=positive_int, default=PARALLEL_CANDIDATES, metavar="M", help=f"candidates per position for the corrected drafter (default {PARALLEL_CANDIDATES})")
     evaluate.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head to compare with (default <cache>/eagle/<target>/head.safetensors, else the bundled head)")
     evaluate.add_argument("--no-eagle", action="store_true", help="leave the EAGLE head out")
     evaluate.add_argument("--path-confidence", type=float, default=0.0, metavar="P", help="the parallel drafters end a round's path where the product of its block probabilities falls below P, in [0, 1) (0 = off, the default; the EAGLE head drafts all gamma)")
@@ -110,8 +111,7 @@ def _eval(args: argparse.Namespace) -> int:
     from verispec.eagle_cli import answers_for_replay, check_eval_prompt_options, eval_prompts, load_target, print_rounds_by_category
 
     check_eval_prompt_options(args)  # before minutes of loading
-    if not 0.0 <= args.path_confidence < 1.0:
-        raise ValueError(f"--path-confidence must be in [0, 1), got {args.path_confidence}")
+    check_probability_below_one(args.path_confidence, "--path-confidence")
     prompts = eval_prompts(args)
     head_path = parallel_head_path(args)
     eagle_path = None if args.no_eagle else args.eagle_head or find_head(args.target, args.cache_dir)
@@ -158,9 +158,11 @@ def _eval(args: argparse.Namespace) -> int:
 
 def add_parallel_drafter_options(sub: argparse.ArgumentParser) -> None:
     """``--drafter parallel``'s options, for every command that decodes with a drafter."""
+    from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
+
     sub.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for --drafter parallel (default <cache>/eagle/<target>/parallel.safetensors, made by `verispec parallel train`)")
     sub.add_argument("--block-size", type=positive_int, default=None, metavar="K", help="--drafter parallel: drafts per round at most (default: the head's K; at most K)")
-    sub.add_argument("--candidates", type=positive_int, default=3, metavar="M", help="--drafter parallel: candidates kept per position for contextual correction (default 3)")
+    sub.add_argument("--candidates", type=positive_int, default=PARALLEL_CANDIDATES, metavar="M", help=f"--drafter parallel: candidates kept per position for contextual correction (default {PARALLEL_CANDIDATES})")
     sub.add_argument("--no-correction", dest="correction", action="store_false", help="--drafter parallel: top-1 per position, one head pass a round (no contextual correction)")
     sub.add_argument(
         "--pair-fit", choices=["parallel", "eagle"], default="parallel",

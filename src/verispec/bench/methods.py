@@ -17,6 +17,7 @@ import torch
 
 from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
 from verispec.drafters.far_memory import ATTENTION_MODES, FarMemoryConfig
+from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
 from verispec.sampling import SamplingParams
 
 
@@ -47,7 +48,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("eagle-local-adaptive", "ours", False, "eagle-local, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle-fold-adaptive", "ours", False, "eagle-fold, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("parallel", "ours", False, "parallel head (--parallel-head): a block of K drafts from one pass, top-1 per position"),
-        MethodSpec("parallel-corrected", "ours", False, "parallel head + contextual correction: 3 candidates a position, best path by pair fit"),
+        MethodSpec("parallel-corrected", "ours", False, f"parallel head + contextual correction: {PARALLEL_CANDIDATES} candidates a position (:cand=M), best path by pair fit"),
         MethodSpec("parallel-corrected-eagle", "ours", False, "parallel-corrected with the pair fit scored by the EAGLE head (--eagle-head): one step per candidate, the candidate as the token one step ahead"),
         MethodSpec("hf-plain", "hf", False, "transformers generate(), greedy or sampling"),
         MethodSpec("hf-assisted", "hf", True, "transformers assisted generation (assistant_model=draft), default settings"),
@@ -77,6 +78,7 @@ REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-ou
 _DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft", "ngram+draft-adaptive")
 _EAGLE_METHODS = ("eagle", "eagle-adaptive", "ngram+eagle", "ngram+eagle-adaptive")  # (far-memory variants: as measured, no stop rule)
 _PARALLEL_METHODS = ("parallel", "parallel-corrected", "parallel-corrected-eagle")
+_CORRECTED_METHODS = ("parallel-corrected", "parallel-corrected-eagle")
 _TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + _PARALLEL_METHODS  # drafters offering runner-ups
 _PATH_METHODS = _TREE_METHODS  # drafters with the path stop rule
 
@@ -111,6 +113,8 @@ _OPTIONS = {
                     lambda v: v >= 0, lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
     "prefix": _Option("MB of this method's own prefix caches (target and draft model): prompts start from its earlier prompts' and answers' longest shared prefix; 0 = none (the run's --prefix-cache-mb otherwise)",
                       int, lambda v: v >= 0, lambda base: METHODS[base].family == "ours", "our methods"),
+    "cand": _Option(f"contextual correction: candidates kept per position (m), >= 2 (default {PARALLEL_CANDIDATES})", int, lambda v: v >= 2,
+                    lambda base: base in _CORRECTED_METHODS, ", ".join(_CORRECTED_METHODS)),
     "attention": _Option("parallel head (and its EAGLE corrector): how it attends over long inputs — full (as trained), local (the last --local-window tokens only) or fold (far memory: --local-window, --memory-temperature, --memory-weight)",
                          str, lambda v: v in ATTENTION_MODES, lambda base: base.startswith("parallel"), "parallel, parallel-corrected, parallel-corrected-eagle"),
 }
@@ -133,6 +137,7 @@ class MethodVariant:
     dwin: int | None = None
     prefix: int | None = None
     attention: str | None = None
+    cand: int | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -378,7 +383,7 @@ def build_method(
             corrector = eagle_head
         attention = replace(far_memory or FarMemoryConfig(), mode=variant.attention) if variant.attention not in (None, "full") else None
         drafter = ParallelDrafter(
-            target, parallel_head, candidates=3, correction=name != "parallel", quantize=head_quantize, alternatives=tree_alternatives(tree_rows),
+            target, parallel_head, candidates=variant.cand or PARALLEL_CANDIDATES, correction=name != "parallel", quantize=head_quantize, alternatives=tree_alternatives(tree_rows),
             corrector=corrector, far_memory=attention, path_confidence=variant.path or None, name=name,
         )  # fmt: skip
     elif name.startswith("ngram+"):

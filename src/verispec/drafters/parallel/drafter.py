@@ -51,9 +51,12 @@ from verispec.sampling import SamplingParams
 
 
 # What `generate`, `compare` and `serve` pass as ``path_confidence`` (README, Performance,
-# 2026-12-05 (noon)): on Spec-Bench ×5 it cut the EAGLE-fit drafter's verified drafts from 4.8 to
+# 2026-12-05 (mid-morning)): on Spec-Bench ×5 it cut the EAGLE-fit drafter's verified drafts from 4.8 to
 # 1.6 a round at τ 1.32 against 1.33 (each verified row costs the target ~7% of a pass on the Zen 1 EPYC).
 PARALLEL_PATH_CONFIDENCE = 0.2
+# Candidates kept per position for contextual correction (m), the default of the drafter, the
+# command line and the bench's corrected methods.
+PARALLEL_CANDIDATES = 3
 
 
 class ParallelDrafter:
@@ -86,7 +89,7 @@ class ParallelDrafter:
         draft_vocab: torch.Tensor | None = None,  # [draft_vocab] int64
         *,
         block_size: int | None = None,
-        candidates: int = 3,
+        candidates: int = PARALLEL_CANDIDATES,
         correction: bool = True,
         quantize: bool = False,
         alternatives: int = 0,
