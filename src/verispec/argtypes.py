@@ -26,8 +26,3 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
-
-def check_probability_below_one(value: float | None, option: str) -> None:
-    """A threshold option's value after parsing: None (unset) or in [0, 1); ValueError naming ``option``."""
-    if value is not None and not 0.0 <= value < 1.0:
-        raise ValueError(f"{option} must be in [0, 1), got {value}")

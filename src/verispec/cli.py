@@ -6,10 +6,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from verispec.argtypes import check_probability_below_one
 
 DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not imported: --help loads no torch; a test checks)
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
@@ -106,8 +105,10 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if getattr(args, "tree_rows", 0) < 0:
         raise ValueError(f"--tree-rows must be >= 0 (0 = chains only), got {args.tree_rows}")
-    check_probability_below_one(args.draft_confidence, "--draft-confidence")
-    check_probability_below_one(args.draft_path_confidence, "--draft-path-confidence")
+    from verispec.drafters.draft_model import checked_threshold
+
+    checked_threshold(args.draft_confidence, "--draft-confidence")
+    checked_threshold(args.draft_path_confidence, "--draft-path-confidence")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
     if getattr(args, "draft_window", 0) < 0:
@@ -577,6 +578,17 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _head_if_any(find: Callable[[argparse.Namespace], Path], args: argparse.Namespace, given: Path | None) -> Path | None:
+    """`verispec costs`: the head ``find`` resolves; an explicit path (``given``) must exist, the
+    default head is timed only if there is one (None)."""
+    try:
+        return find(args)
+    except FileNotFoundError:
+        if given is not None:
+            raise
+        return None
+
+
 def _costs(args: argparse.Namespace) -> int:
     import torch
 
@@ -594,16 +606,11 @@ def _costs(args: argparse.Namespace) -> int:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = skip), got {args.draft_vocab}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    # An explicit --eagle-head must exist; the default head (built here, or bundled) is timed if there is one.
-    try:
-        head_path = _eagle_head_path(args)
-    except FileNotFoundError:
-        if args.eagle_head is not None:
-            raise
-        head_path = None
-    from verispec.parallel_cli import optional_parallel_head_path, print_proposal_costs
+    from verispec.parallel_cli import parallel_head_path, print_proposal_costs
 
-    parallel_head = optional_parallel_head_path(args)  # checked now, not after minutes of timing
+    # Both heads are found (or refused) now, not after minutes of timing.
+    head_path = _head_if_any(_eagle_head_path, args, args.eagle_head)
+    parallel_head = _head_if_any(parallel_head_path, args, args.parallel_head)
     rows = {}
     target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
     float32 = target.model.dtype == torch.float32

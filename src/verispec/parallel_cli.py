@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from verispec.argtypes import check_probability_below_one, positive_int
+from verispec.argtypes import positive_int
 
 
 def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
@@ -103,6 +103,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from verispec.drafters.draft_model import checked_threshold
     from verispec.drafters.eagle import load_head
     from verispec.drafters.eagle.acceptance import accepted_prefixes, drafted_from_every_start, replay_rounds, target_choices
     from verispec.drafters.eagle.checkpoint import find_head
@@ -111,7 +112,7 @@ def _eval(args: argparse.Namespace) -> int:
     from verispec.eagle_cli import answers_for_replay, check_eval_prompt_options, eval_prompts, load_target, print_rounds_by_category
 
     check_eval_prompt_options(args)  # before minutes of loading
-    check_probability_below_one(args.path_confidence, "--path-confidence")
+    checked_threshold(args.path_confidence, "--path-confidence")
     prompts = eval_prompts(args)
     head_path = parallel_head_path(args)
     eagle_path = None if args.no_eagle else args.eagle_head or find_head(args.target, args.cache_dir)
@@ -203,16 +204,6 @@ def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path
         target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives,
         corrector=corrector, far_memory=far_memory, path_confidence=PARALLEL_PATH_CONFIDENCE,
     )  # fmt: skip
-
-
-def optional_parallel_head_path(args: argparse.Namespace) -> Path | None:
-    """`verispec costs`: an explicit --parallel-head must exist; the default head is timed if there is one."""
-    try:
-        return parallel_head_path(args)
-    except FileNotFoundError:
-        if args.parallel_head is not None:
-            raise
-        return None
 
 
 def print_proposal_costs(context: int, repeats: int, target, head_path: Path, eagle_head: Path | None) -> None:  # noqa: ANN001 - a LoadedModel

@@ -116,7 +116,7 @@ _OPTIONS = {
     "cand": _Option(f"contextual correction: candidates kept per position (m), >= 2 (default {PARALLEL_CANDIDATES})", int, lambda v: v >= 2,
                     lambda base: base in _CORRECTED_METHODS, ", ".join(_CORRECTED_METHODS)),
     "attention": _Option("parallel head (and its EAGLE corrector): how it attends over long inputs — full (as trained), local (the last --local-window tokens only) or fold (far memory: --local-window, --memory-temperature, --memory-weight)",
-                         str, lambda v: v in ATTENTION_MODES, lambda base: base.startswith("parallel"), "parallel, parallel-corrected, parallel-corrected-eagle"),
+                         str, lambda v: v in ATTENTION_MODES, lambda base: base in _PARALLEL_METHODS, ", ".join(_PARALLEL_METHODS)),
 }
 METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
