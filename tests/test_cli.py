@@ -1,6 +1,7 @@
 """The command line on a tiny GGUF model (real tokenizer layout and chat template)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -220,12 +221,18 @@ def test_compare_refuses_no_drafter(tiny_gguf, capsys):
 def test_costs_prints_a_table_per_kernel_setting(tiny_gguf, capsys):
     args = ["costs", "--target", tiny_gguf, "--draft", tiny_gguf, "--context", "8", "--tokens", "1,4", "--repeats", "2"]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
     settings = ["target dense", "draft float32", "draft float32, lean", "draft int8", "draft int8, lean, torch kernels"]
     if panel_kernels_unavailable_reason() is None:
         settings += ["target panel", "draft int8, lean, panel (default)", "target panel, greedy, screened head (code text)"]
     for setting in settings:
         assert setting in out
+        # progress: each setting announced before it is timed and its passes printed once timed
+        announced = err.index(f"costs: timing {setting}")
+        assert re.search(rf"^costs: {re.escape(setting)}( \(auto's choice here\))?: 1: \d+ ms, 4: \d+ ms", err[announced:], re.MULTILINE)
+    assert err.count("costs: timing ") == out.count("\n") - 2  # one announcement per table row (two header lines)
+    assert "8-token cache" in err and "4: " in err
     assert out.count("(auto's choice here)") == 1  # --target-kernels auto's pick, timed on this model
     assert "1.00x" in out
 

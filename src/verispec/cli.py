@@ -592,7 +592,7 @@ def _head_if_any(find: Callable[[argparse.Namespace], Path], args: argparse.Name
 def _costs(args: argparse.Namespace) -> int:
     import torch
 
-    from verispec.bench.costs import format_costs, forward_costs, stdlib_text_ids
+    from verispec.bench.costs import CostTable, format_costs, forward_costs, stdlib_text_ids
     from verispec.models import load_model, quantize_int8
     from verispec.models.gqa_attention import use_gqa_attention
     from verispec.models.kernel_choice import fastest_target_kernels
@@ -611,7 +611,7 @@ def _costs(args: argparse.Namespace) -> int:
     # Both heads are found (or refused) now, not after minutes of timing.
     head_path = _head_if_any(_eagle_head_path, args, args.eagle_head)
     parallel_head = _head_if_any(parallel_head_path, args, args.parallel_head)
-    rows = {}
+    table = CostTable(f"{args.context}-token cache")  # prints each setting as it is timed: at 8K a setting takes minutes
     target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
     float32 = target.model.dtype == torch.float32
     from verispec.models.panel_linear import bf16_kernels_available
@@ -619,35 +619,35 @@ def _costs(args: argparse.Namespace) -> int:
     bf16_panel = target.model.dtype == torch.bfloat16 and bf16_kernels_available()  # what --target-kernels auto runs for it
     auto = fastest_target_kernels(target.model).name if float32 and (onednn_packing_available() or panel_kernels_unavailable_reason() is None) else "panel" if bf16_panel else "dense"
     mark = {auto: " (auto's choice here)"}
-    rows["target dense" + mark.get("dense", "")] = forward_costs(target.model, args.context, counts, args.repeats)
+    table.add("target dense" + mark.get("dense", ""), forward_costs, target.model, args.context, counts, args.repeats)
     if onednn_packing_available() and float32:
         packed = use_gqa_attention(pack_linears(target.model))
         from_rows = next(module.min_packed_rows for module in packed.modules() if isinstance(module, PackedLinear))
-        rows[f"target packed (from {from_rows} rows)" + mark.get("packed", "")] = forward_costs(packed, args.context, counts, args.repeats)
+        table.add(f"target packed (from {from_rows} rows)" + mark.get("packed", ""), forward_costs, packed, args.context, counts, args.repeats)
     if panel_kernels_unavailable_reason() is None and float32:
         # Swapping the packed layers releases their oneDNN copy: never three copies of the weights.
         panel = use_gqa_attention(use_panel_kernels(target.model))
         from verispec.engine.lean_lm import target_runs_lean
 
         if target_runs_lean(panel):  # what the engine runs: one kernel call per pass; and the same kernels under transformers' forward
-            rows["target panel, transformers forward"] = forward_costs(panel, args.context, counts, args.repeats, transformers_forward=True)
-        rows["target panel" + mark.get("panel", "")] = forward_costs(panel, args.context, counts, args.repeats)
+            table.add("target panel, transformers forward", forward_costs, panel, args.context, counts, args.repeats, transformers_forward=True)
+        table.add("target panel" + mark.get("panel", ""), forward_costs, panel, args.context, counts, args.repeats)
         if target.tokenizer is not None:
             # what greedy decoding pays: the LM head through its int8 screen, on real code (the screen's cost depends on the text)
             text_ids = stdlib_text_ids(target.tokenizer, args.context + max(counts))
             if max(text_ids) < target.model.get_output_embeddings().out_features:
-                rows["target panel, greedy, screened head (code text)"] = forward_costs(panel, args.context, counts, args.repeats, text_ids=text_ids, argmax_only=True)
+                table.add("target panel, greedy, screened head (code text)", forward_costs, panel, args.context, counts, args.repeats, text_ids=text_ids, argmax_only=True)
     if bf16_panel:
-        rows["target panel, bfloat16" + mark.get("panel", "")] = forward_costs(use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
+        table.add("target panel, bfloat16" + mark.get("panel", ""), forward_costs, use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
     if head_path is not None:
         from verispec.bench.costs import eagle_costs
         from verispec.drafters.eagle import EagleDrafter
 
         reduced = EagleDrafter(target, head_path)
         if reduced.vocab_ids is not None:
-            rows[f"eagle, {len(reduced.vocab_ids)} vocab"] = eagle_costs(reduced, args.context, counts, args.repeats)
-            rows[f"eagle int8, {len(reduced.vocab_ids)} vocab"] = eagle_costs(EagleDrafter(target, head_path, quantize=True), args.context, counts, args.repeats)
-        rows["eagle, full vocab"] = eagle_costs(EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
+            table.add(f"eagle, {len(reduced.vocab_ids)} vocab", eagle_costs, reduced, args.context, counts, args.repeats)
+            table.add(f"eagle int8, {len(reduced.vocab_ids)} vocab", eagle_costs, EagleDrafter(target, head_path, quantize=True), args.context, counts, args.repeats)
+        table.add("eagle, full vocab", eagle_costs, EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
     if parallel_head is not None:
         print_proposal_costs(args.context, args.repeats, target, parallel_head, head_path)
@@ -657,27 +657,27 @@ def _costs(args: argparse.Namespace) -> int:
         from verispec.engine.lean_lm import lean_unsupported_reason
 
         lean = lean_unsupported_reason(draft.model) is None  # what DraftModel runs by default
-        rows["draft float32"] = forward_costs(draft.model, args.context, counts, args.repeats)
+        table.add("draft float32", forward_costs, draft.model, args.context, counts, args.repeats)
         if lean:
-            rows["draft float32, lean"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True)
-        rows["draft int8"] = forward_costs(quantize_int8(draft.model), args.context, counts, args.repeats)
+            table.add("draft float32, lean", forward_costs, draft.model, args.context, counts, args.repeats, lean=True)
+        table.add("draft int8", forward_costs, quantize_int8(draft.model), args.context, counts, args.repeats)
         if lean:
-            rows["draft int8, lean, torch kernels"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True)
+            table.add("draft int8, lean, torch kernels", forward_costs, draft.model, args.context, counts, args.repeats, lean=True)
             if panel_kernels_unavailable_reason() is None:
-                rows["draft int8, lean, panel (default)"] = forward_costs(draft.model, args.context, counts, args.repeats, lean=True, panel_kernels=True)
+                table.add("draft int8, lean, panel (default)", forward_costs, draft.model, args.context, counts, args.repeats, lean=True, panel_kernels=True)
                 from verispec.drafters import DraftModel
                 from verispec.models.int4_screen import Int4ScreenedHead
 
                 screened = DraftModel(draft).greedy_head  # what greedy draft steps multiply by (1-2 rows; more: the int8 head)
                 if isinstance(screened, Int4ScreenedHead):
-                    rows["draft int8, lean, panel, greedy 4-bit head"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=screened, lean=True, panel_kernels=True)
+                    table.add("draft int8, lean, panel, greedy 4-bit head", forward_costs, draft.model, args.context, counts, args.repeats, lm_head=screened, lean=True, panel_kernels=True)
         if args.draft_vocab:
             from verispec.drafters import DraftModel
 
             reduced = DraftModel(draft, draft_vocab=args.draft_vocab)
-            rows[f"draft int8, {len(reduced.vocab_ids)} vocab"] = forward_costs(draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head, lean=lean, panel_kernels=reduced.lean_decoder is not None and reduced.lean_decoder.panel_kernels)
+            table.add(f"draft int8, {len(reduced.vocab_ids)} vocab", forward_costs, draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head, lean=lean, panel_kernels=reduced.lean_decoder is not None and reduced.lean_decoder.panel_kernels)
     print(f"median ms per forward pass over N new tokens after a {args.context}-token cache ({torch.get_num_threads()} threads)")
-    print(format_costs(rows))
+    print(format_costs(table.rows))
     return 0
 
 

@@ -8,8 +8,11 @@ engine's own CachedLM, for each kernel setting, as medians of repeated passes on
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TextIO
 
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, target_lm
@@ -76,6 +79,27 @@ def forward_costs(  # noqa: ANN201 - list[ForwardCost]
         costs.append(ForwardCost(count, statistics.median(times)))
     lm.release()
     return costs
+
+
+class CostTable:
+    """`verispec costs`' rows, one per setting, each announced on ``stream`` (stderr) before it is
+    timed and printed as soon as it is: every setting fills a cache of ``context`` first, which on
+    a long one takes minutes (at 8,192 tokens on 2 cores the command ran for over 12 minutes
+    without a line), and a table printed only at the end looked like a hang and lost every
+    setting timed so far to Ctrl-C."""
+
+    def __init__(self, context: str, stream: TextIO | None = None) -> None:
+        self.context = context
+        self.stream = stream if stream is not None else sys.stderr
+        self.rows: dict[str, list[ForwardCost]] = {}
+
+    def add(self, name: str, measure: Callable[..., list[ForwardCost]], *args: Any, **kwargs: Any) -> None:
+        """Time one setting: ``measure(*args, **kwargs)`` (:func:`forward_costs`, :func:`eagle_costs`)."""
+        print(f"costs: timing {name} ({self.context}) ...", file=self.stream, flush=True)
+        started = time.perf_counter()
+        costs = self.rows[name] = measure(*args, **kwargs)
+        passes = ", ".join(f"{cost.new_tokens}: {cost.median_s * 1000:.0f} ms" for cost in costs)
+        print(f"costs: {name}: {passes} ({time.perf_counter() - started:.0f} s)", file=self.stream, flush=True)
 
 
 def stdlib_text_ids(tokenizer, count: int) -> list[int]:  # noqa: ANN001 - a Hugging Face tokenizer
