@@ -161,8 +161,37 @@ def test_cli_tree_rows_default_matches_the_engine_and_is_validated(capsys):
     from verispec.engine.decoder import DEFAULT_TREE_ROWS
 
     assert cli.DEFAULT_TREE_ROWS == DEFAULT_TREE_ROWS
-    assert cli.main(["generate", "hi", "--tree-rows", "-1"]) == 2
+    for bad, message in (("-1", "must be >= 0 (0 = chains only), got -1"), ("x", "must be 'auto' or an integer, got 'x'"), ("8.5", "must be 'auto' or an integer, got '8.5'")):
+        with pytest.raises(SystemExit):  # argparse refuses it, naming the option
+            cli.main(["generate", "hi", "--tree-rows", bad])
+        assert f"--tree-rows: {message}" in capsys.readouterr().err
+    assert cli.main(["bench", "--tree-rows", "-1"]) == 2  # bench times what it is told: integers only, chains by default
     assert "--tree-rows must be >= 0" in capsys.readouterr().err
+    parser = cli._build_parser()
+    assert parser.parse_args(["generate", "hi"]).tree_rows == "auto" and parser.parse_args(["compare"]).tree_rows == "auto"
+    assert parser.parse_args(["bench"]).tree_rows == parser.parse_args(["serve"]).tree_rows == DEFAULT_TREE_ROWS
+    assert cli.main(["serve", "--tree-rows", "8"]) == 2  # its batched passes verify chains: refused, not ignored
+    assert "serve verifies chains only" in capsys.readouterr().err
+
+
+def test_tree_rows_auto_gives_an_eagle_head_trees_only_where_rows_are_nearly_free(capsys):
+    from argparse import Namespace
+
+    from verispec import cli
+    from verispec.models.kernel_choice import KernelChoice
+
+    def rows_for(drafter: str, name: str = "panel", eight_rows: float = 1.05, temperature: float | None = 0.0) -> int:
+        choice = KernelChoice(name, {"panel": {1: 1.0, 8: eight_rows}, "packed": {1: 1.1, 8: 1.2}})
+        return cli._auto_tree_rows(Namespace(drafter=drafter, temperature=temperature), choice)
+
+    assert rows_for("ngram+eagle") == rows_for("eagle") == cli.AUTO_TREE_ROWS == 8
+    assert "draft trees of 8 rows" in capsys.readouterr().err
+    assert rows_for("eagle", eight_rows=1.3) == 0  # extra rows cost: chains (an AVX2-only EPYC: ~7% a row)
+    assert rows_for("eagle", name="packed") == 0  # trees need the panel kernels' fused stack
+    assert rows_for("draft-model") == rows_for("ngram+draft") == 0  # its trees measured no faster
+    assert rows_for("eagle", temperature=0.7) == 0  # trees are greedy verification
+    assert KernelChoice("packed").row_cost("panel") is None  # nothing timed: no trees
+    assert cli._auto_tree_rows(Namespace(drafter="eagle", temperature=0.0), KernelChoice("panel")) == 0
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
-    """argparse type: refuses 0, negatives and non-integers at parse time (argparse names the option)."""
+def _integer_at_least(text: str, least: int, kind: str = "an integer", note: str = "") -> int:
+    """``text`` as an integer >= ``least``; else an ArgumentTypeError saying what was expected."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}{note}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: refuses 0, negatives and non-integers at parse time (argparse names the option)."""
+    return _integer_at_least(text, 1)
 
 
 def positive_float(text: str) -> float:
@@ -26,3 +31,8 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
+
+
+def tree_rows_value(text: str) -> int | str:
+    """argparse type of ``--tree-rows``: ``auto`` or an integer >= 0 (argparse names the option)."""
+    return text if text == "auto" else _integer_at_least(text, 0, "'auto' or an integer", " (0 = chains only)")

@@ -10,7 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from verispec.argtypes import tree_rows_value
+
 DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not imported: --help loads no torch; a test checks)
+# --tree-rows auto (generate, compare): draft trees of this many rows for an EAGLE head where
+# `--target-kernels auto` picked the panel kernels and timed an 8-row pass at most this many times a
+# 1-row one (verification rows nearly free). Chosen on HumanEval problems 100-107 (README,
+# Performance, 2026-12-05 (noon)); the draft model's trees measured no faster, so it drafts chains.
+AUTO_TREE_ROWS = 8
+AUTO_TREE_MAX_ROW_COST = 1.15
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
 DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a doctest."
@@ -55,12 +63,16 @@ def target_dtype(args: argparse.Namespace):  # noqa: ANN201 - torch.dtype (torch
     return getattr(torch, getattr(args, "target_dtype", "float32"))  # one of TARGET_DTYPES, checked by argparse
 
 
-def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | None = None) -> None:
+def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | None = None, tree_auto: bool = False) -> None:
     """How the models run (never what they output: the verifier keeps the target's distribution)."""
     add_target_dtype_option(sub)
     sub.add_argument("--target-kernels", choices=["auto", "panel", "packed", "dense"], default="auto", help="auto (default): time panel against packed on the target's own weights when it is prepared (about two seconds) and keep the faster here, which differs by CPU (see Performance); panel: our AVX2 kernels for products over up to 128 tokens (every decoding step and verification pass; built with the system C++ compiler on first use, about a second); packed: oneDNN-packed weights; both use a second copy of the target's weights and attention reading the cache's shared key/value heads in place; panel falls back to packed where it cannot run (no AVX2 or no compiler). dense: PyTorch's and transformers' defaults only")
     sub.add_argument("--greedy-lm-head", choices=["screened", "full"], default="screened", help="screened (default): greedy passes of a target on the float32 panel kernels take the LM head's argmax through an int8 copy of it with an error bound per logit, computing in float32 only the logits that can be the argmax: the same tokens, about a quarter of the head's bytes (~20 ms less per step of the 1.5B target here; the int8 copy takes ~4 s to build and ~230 MB). full: every logit in float32. Sampling always computes the full head")
-    sub.add_argument("--tree-rows", type=int, default=DEFAULT_TREE_ROWS, metavar="N", help=f"greedy decoding with a draft model or an EAGLE head: verification passes of up to N rows, the spare ones filled with the drafter's runner-up tokens (a one-level draft tree: when the target rejects a draft but takes a runner-up, that token and the next are emitted too; exact, each row computed as the chain would). Needs a target on the panel kernels' fused stack; 0 = chains only (default {DEFAULT_TREE_ROWS})")
+    auto_trees = (
+        f"; auto (default): {AUTO_TREE_ROWS} for an EAGLE head (eagle, ngram+eagle) where --target-kernels auto picks the panel kernels and times an "
+        f"{AUTO_TREE_ROWS}-row pass at most {AUTO_TREE_MAX_ROW_COST}x a 1-row one (rows nearly free), else 0"
+    ) if tree_auto else f" (default {DEFAULT_TREE_ROWS})"
+    sub.add_argument("--tree-rows", type=tree_rows_value if tree_auto else int, default="auto" if tree_auto else DEFAULT_TREE_ROWS, metavar="N", help=f"greedy decoding with a draft model or an EAGLE head: verification passes of up to N rows, the spare ones filled with the drafter's runner-up tokens (a one-level draft tree: when the target rejects a draft but takes a runner-up, that token and the next are emitted too; exact, each row computed as the chain would). Needs a target on the panel kernels' fused stack; 0 = chains only{auto_trees}")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     default = f"default {path_confidence}" if path_confidence is not None else "default: off"
     sub.add_argument("--draft-path-confidence", type=float, default=path_confidence, metavar="P", help=f"stop drafting a round once the product of the draft model's probabilities of this round's tokens is below P (its own estimate that the whole draft is accepted); 0 = off; {default}")
@@ -79,9 +91,14 @@ def draft_model_settings(args: argparse.Namespace):  # noqa: ANN201 - DraftModel
     return DraftModelSettings(
         confidence_threshold=args.draft_confidence, path_confidence=args.draft_path_confidence or None, draft_vocab=args.draft_vocab or None,
         lean=None if getattr(args, "draft_forward", "lean") == "lean" else False, panel_kernels=draft_panel_kernels(args),
-        alternatives=tree_alternatives(getattr(args, "tree_rows", 0)), greedy_head=getattr(args, "draft_greedy_head", "screened"),
+        alternatives=tree_alternatives(_chain_if_auto(getattr(args, "tree_rows", 0))), greedy_head=getattr(args, "draft_greedy_head", "screened"),
         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0), context_window=getattr(args, "draft_window", 0) or None,
     )
+
+
+def _chain_if_auto(tree_rows: int | str) -> int:
+    """--tree-rows for a draft model: auto never gives it trees (they measured no faster)."""
+    return 0 if tree_rows == "auto" else tree_rows
 
 
 def draft_panel_kernels(args: argparse.Namespace) -> bool:
@@ -103,7 +120,7 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if getattr(args, "tree_rows", 0) < 0:
+    if getattr(args, "tree_rows", 0) != "auto" and getattr(args, "tree_rows", 0) < 0:
         raise ValueError(f"--tree-rows must be >= 0 (0 = chains only), got {args.tree_rows}")
     from verispec.drafters.draft_model import checked_threshold
 
@@ -136,6 +153,10 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
 
     kernels = args.target_kernels
     used = kernels
+    # --tree-rows auto: chains unless the timing below shows verification rows nearly free for an EAGLE head.
+    auto_trees = getattr(args, "tree_rows", 0) == "auto"
+    if auto_trees:
+        args.tree_rows = 0
     chunk_long_passes = False  # prefill products through the panel kernels in chunks: only where auto timed it faster
     screened_head = getattr(args, "greedy_lm_head", "screened") == "screened"
     if kernels != "dense":
@@ -166,6 +187,8 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
             print(f"verispec: target kernels: {choice.summary()}", file=sys.stderr)
             kernels, used = choice.name, f"auto: {choice.summary()}"
             chunk_long_passes = choice.long_passes == "panel"
+            if auto_trees:
+                args.tree_rows = _auto_tree_rows(args, choice)
         elif kernels == "panel" and reason is not None:
             print(f"note: --target-kernels panel cannot run here ({reason}); using packed", file=sys.stderr)
             kernels, used = "packed", f"packed (panel cannot run here: {reason})"
@@ -180,6 +203,16 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
     if draft is not None and args.draft_quantize == "int8":
         quantize_int8(draft.model)
     return used
+
+
+def _auto_tree_rows(args: argparse.Namespace, choice) -> int:  # noqa: ANN001 - a KernelChoice
+    """--tree-rows auto: AUTO_TREE_ROWS for greedy drafting with an EAGLE head on the panel kernels
+    where the timed AUTO_TREE_ROWS-row pass costs at most AUTO_TREE_MAX_ROW_COST one-row passes, else 0."""
+    row_cost = choice.row_cost("panel", AUTO_TREE_ROWS)
+    if getattr(args, "temperature", 0) != 0 or choice.name != "panel" or args.drafter not in EAGLE_DRAFTERS or row_cost is None or row_cost > AUTO_TREE_MAX_ROW_COST:
+        return 0
+    print(f"verispec: draft trees of {AUTO_TREE_ROWS} rows (--tree-rows auto: {AUTO_TREE_ROWS} rows timed at {row_cost:.2f}x one)", file=sys.stderr)
+    return AUTO_TREE_ROWS
 
 
 def _draft_kernels_used(args: argparse.Namespace) -> str:
@@ -204,7 +237,7 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def model_options(sub: argparse.ArgumentParser) -> None:
-        _add_loading_options(sub, drafter="ngram+draft", gamma=STREAM_GAMMA, path_confidence=STREAM_PATH_CONFIDENCE)
+        _add_loading_options(sub, drafter="ngram+draft", gamma=STREAM_GAMMA, path_confidence=STREAM_PATH_CONFIDENCE, tree_auto=True)
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
         _add_sampling_options(sub)
         sub.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -262,7 +295,7 @@ EAGLE_DRAFTERS = ("eagle", "ngram+eagle")  # the drafters that load an EAGLE hea
 MODEL_DRAFTERS = ("draft-model", "ngram+draft")  # the drafters that run --draft
 
 
-def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-model", gamma: int = 6, path_confidence: float | None = None) -> None:
+def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-model", gamma: int = 6, path_confidence: float | None = None, tree_auto: bool = False) -> None:
     """Which target and drafter, and how they run: every command that decodes with a drafter.
 
     ``drafter`` / ``gamma`` / ``path_confidence``: the defaults. One stream (generate, compare) gets
@@ -285,7 +318,7 @@ def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-mod
     sub.add_argument("--gamma-control", choices=["adaptive", "fixed"], default="adaptive", help="adaptive (default): draft 0..gamma a round, chosen from this text's acceptance and the measured costs, decoding plainly while the text defeats the drafter (rejection attacks included); fixed: always gamma (serve: the batch policy's). Sampling with --seed (a seeded request) always drafts the fixed gamma, so its text depends on prompt and seed only, never on timings")
     sub.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     sub.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
-    _add_kernel_options(sub, path_confidence)
+    _add_kernel_options(sub, path_confidence, tree_auto)
 
 
 def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
@@ -490,6 +523,8 @@ def _serve(args: argparse.Namespace) -> int:
     _check_model_options(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.tree_rows:  # it used to be accepted and ignored
+        raise ValueError(f"--tree-rows {args.tree_rows}: serve verifies chains only (its batched passes take no draft trees); use generate or compare for trees")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
     config = serve_config(args)

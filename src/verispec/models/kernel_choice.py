@@ -62,6 +62,11 @@ class KernelChoice:
         """How products over more rows than one panel call takes run: the faster timed, else "dense"."""
         return min(self.long_pass_seconds, key=self.long_pass_seconds.get) if self.long_pass_seconds else "dense"
 
+    def row_cost(self, name: str, rows: int = TIMED_ROWS[-1]) -> float | None:
+        """What ``rows`` rows of ``name``'s sweep cost against one row (None if not timed)."""
+        seconds = self.seconds.get(name, {})
+        return seconds[rows] / seconds[1] if rows in seconds and seconds.get(1) else None
+
     def summary(self) -> str:
         if not self.seconds:
             return f"{self.name} (the only kernels that run here)"
