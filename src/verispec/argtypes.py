@@ -32,7 +32,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-
 def tree_rows_value(text: str) -> int | str:
     """argparse type of ``--tree-rows``: ``auto`` or an integer >= 0 (argparse names the option)."""
     return text if text == "auto" else _integer_at_least(text, 0, "'auto' or an integer", " (0 = chains only)")

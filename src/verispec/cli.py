@@ -120,8 +120,9 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if getattr(args, "tree_rows", 0) != "auto" and getattr(args, "tree_rows", 0) < 0:
-        raise ValueError(f"--tree-rows must be >= 0 (0 = chains only), got {args.tree_rows}")
+    tree_rows = getattr(args, "tree_rows", 0)  # "auto" (generate, compare) is checked by its parser
+    if tree_rows != "auto" and tree_rows < 0:
+        raise ValueError(f"--tree-rows must be >= 0 (0 = chains only), got {tree_rows}")
     from verispec.drafters.draft_model import checked_threshold
 
     checked_threshold(args.draft_confidence, "--draft-confidence")
