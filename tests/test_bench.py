@@ -14,6 +14,7 @@ from verispec.bench.prompts import Prompt, first_per_category, prompts_from_file
 from verispec.bench.runner import WARMUP_TOKENS, BenchSettings, Row, run_bench
 from verispec.bench.summary import first_difference, speedup, summarize
 from verispec.drafters.draft_model import DraftModelSettings
+from verispec.models.panel_linear import panel_kernels_unavailable_reason
 from verispec.cli import main
 from verispec.sampling import SamplingParams
 
@@ -115,6 +116,31 @@ def test_bench_end_to_end_writes_results_report_and_plots(tiny_gguf, prompts_fil
     assert "includes the loaded target and draft models" in report
     for name in ["speedup_by_category.png", "acceptance_by_position.png"]:
         assert_valid_png(out / name)
+
+
+@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
+def test_shared_prefill_lets_every_method_after_the_first_restore_the_prompt(tiny_gguf, prompts_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    methods = ["plain", "ngram", "draft-model", "draft-model:gamma=2:prefix=0"]
+    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", ",".join(methods), "--target-kernels", "panel", "--share-prefill") == 0
+    assert "Prefill shared (--share-prefill)" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["share_prefill"] is True
+    reused = {(row["prompt_id"], row["method"]): row["reused_prompt_tokens"] for row in results["rows"]}
+    for row in results["rows"]:
+        # The first method prefills (from the warm-up's prompt nothing is left; later prompts share
+        # the chat template's opening with earlier ones); a method with its own :prefix setting (here
+        # none at all) prefills whole; the others restore all but the last prompt token (the
+        # decoder feeds that one with the first drafts).
+        if row["method"] == "plain":
+            assert row["reused_prompt_tokens"] < row["prompt_tokens"] - 1
+        else:
+            assert reused[row["prompt_id"], row["method"]] == (0 if row["method"].endswith("prefix=0") else row["prompt_tokens"] - 1), row["method"]
+    assert reused["rep", "plain"] == 0
+    by_method = {s["method"]: s for s in results["summaries"]}
+    for method in methods[1:]:  # restored prompts are exact: the same tokens
+        assert by_method[method]["identical"]["differences"] == []
+    assert "Prefill shared (--share-prefill)" in (out / "report.md").read_text()
 
 
 def test_method_settings_run_side_by_side_under_their_full_names(tiny_gguf, prompts_file, tmp_path):
@@ -295,6 +321,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--max-new-tokens", "0"], "--max-new-tokens"),
         (["--gamma", "0"], "--gamma"),
         (["--top-p", "2"], "top_p"),
+        (["--share-prefill", "--target-kernels", "dense"], "--share-prefill needs the panel kernels' fused stack (restored prompts must be exact), not --target-kernels dense"),
     ],
 )
 def test_bad_arguments_are_clear_errors(tiny_gguf, tmp_path, capsys, extra, message):

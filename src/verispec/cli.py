@@ -21,6 +21,7 @@ AUTO_TREE_ROWS = 8
 AUTO_TREE_MAX_ROW_COST = 1.15
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
 DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
+SHARED_PREFILL_MB = 4096  # bench --share-prefill without --prefix-cache-mb: an 8K prompt's keys, values and features take ~0.5 GB
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a doctest."
 
 
@@ -405,6 +406,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory (default bench-results/<timestamp>/)")
     bench.add_argument("--quick", action="store_true", help="a small preset for iteration: 2 HumanEval prompts + 1 per Spec-Bench category, 32 new tokens, methods plain,draft-model,ngram (about 10-15 minutes for the built-in models on a 2-core CPU); explicit options override it")
     bench.add_argument("--prefix-cache-mb", type=int, default=0, metavar="MB", help="each of our methods keeps its own prefix caches of MB (target and draft model): a prompt starts from the longest prefix of that method's earlier prompts and answers (here the chat template's system prompt; with --multi-turn the earlier turns); the warm-up's prompt is forgotten before timing. 0 = off (default): every prompt prefilled whole")
+    bench.add_argument("--share-prefill", action="store_true", help=f"our methods share one target prefix cache (of --prefix-cache-mb MB, else {SHARED_PREFILL_MB}) instead of one each: the first method to run a prompt prefills it, the others start from its keys, values and features (the same tokens). For long prompts, whose prefill dwarfs decoding: compare the decode speed-ups (prefill excluded); wall-clock speed-ups then favour every method after the first. Needs the panel kernels' fused stack (not --target-kernels dense or packed)")
     bench.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short untimed run of each method before timing")
     bench.set_defaults(handler=_bench)
 
@@ -774,6 +776,8 @@ def _bench(args: argparse.Namespace) -> int:
     prompts, per_set = _bench_prompts(args, preset)
     if args.raw and args.multi_turn:
         raise ValueError("--raw prompts are single texts to continue; they cannot be combined with --multi-turn")
+    if args.share_prefill and args.target_kernels in ("dense", "packed"):
+        raise ValueError(f"--share-prefill needs the panel kernels' fused stack (restored prompts must be exact), not --target-kernels {args.target_kernels}")
     needs_draft = any(method_spec(name).needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
         raise ValueError(f"--draft none, but {', '.join(n for n in names if method_spec(n).needs_draft)} need(s) a draft model")
@@ -798,6 +802,14 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("--multi-turn needs a target with a chat template (to place earlier answers in the conversation)")
     if "long" in per_set:  # its prompts are cut to token lengths: they need the tokenizer
         prompts, per_set = _bench_prompts(args, preset, target.tokenizer)
+    shared_prefixes = None
+    if args.share_prefill:
+        from verispec.engine.lean_lm import prefix_reuse_unsupported_reason
+        from verispec.engine.prefix_cache import prefix_cache_of_mb
+
+        if (reason := prefix_reuse_unsupported_reason(target.model)) is not None:
+            raise ValueError(f"--share-prefill cannot run this target: {reason}")
+        shared_prefixes = prefix_cache_of_mb(args.prefix_cache_mb or SHARED_PREFILL_MB)
     head_quantize = args.draft_quantize == "int8"
     far_memory = far_memory_from_args(args, "fold")
     draft_settings, screen = draft_model_settings(args), args.greedy_lm_head == "screened"
@@ -805,6 +817,7 @@ def _bench(args: argparse.Namespace) -> int:
         name: build_method(
             name, target, draft, args.gamma, eagle_head=eagle_head, head_quantize=head_quantize, far_memory=far_memory, parallel_head=parallel_head,
             draft_settings=draft_settings, screen_lm_head=screen, tree_rows=args.tree_rows, prefix_cache_mb=args.prefix_cache_mb,
+            shared_prefixes=shared_prefixes,
         )
         for name in names
     }
@@ -836,6 +849,7 @@ def _bench(args: argparse.Namespace) -> int:
         "draft_kernels": _draft_kernels_used(args) if needs_draft else None,
         "quick": args.quick,
         "warmup": args.warmup,
+        "share_prefill": args.share_prefill,
     }
     machine = report.machine_info()
     command = shlex.join(["verispec", *args.argv])
@@ -872,6 +886,8 @@ def _bench(args: argparse.Namespace) -> int:
     (out_dir / "report.md").write_text(report.markdown_report(results, summaries, plots))
     if summaries:
         print(report.terminal_table(*report.summary_table(summaries, results["identical_reference"], run.rss_before)))
+        if args.share_prefill:
+            print(report.SHARED_PREFILL_NOTE.replace("**", ""))
         if baseline is not None and len(summaries) > 1:
             print(f"\nmedian speed-up vs {baseline} by category:")
             print(report.terminal_table(*report.category_table(summaries, baseline)))

@@ -304,6 +304,7 @@ def build_method(
     screen_lm_head: bool = True,
     tree_rows: int | None = None,
     prefix_cache_mb: int = 0,
+    shared_prefixes: Any | None = None,
 ) -> Method:
     """Build ``name`` on the loaded models (``LoadedModel``s); ``draft`` may be None if the method needs none.
 
@@ -323,6 +324,10 @@ def build_method(
     ``prefix_cache_mb``: our methods each keep their own prefix caches of this size (the target's
     where it runs the fused lean stack, the draft model's where it does): a prompt starts from the
     longest prefix of the method's own earlier prompts and answers; 0: none.
+    ``shared_prefixes``: a target :class:`~verispec.engine.prefix_cache.PrefixCache` this method
+    shares with the run's other methods (``bench --share-prefill``) in place of its own: the first
+    method to run a prompt prefills it, the others start from its keys, values and features (exact:
+    the same tokens). A method's own ``:prefix=MB`` setting still gives it a cache of its own.
     """
     variant = parse_variant(name)
     label = name  # the full name, settings included, labels the rows; the base name picks the method
@@ -354,6 +359,8 @@ def build_method(
 
     prefix_cache_mb = variant.prefix if variant.prefix is not None else prefix_cache_mb
     target_prefixes = prefix_cache_of_mb(prefix_cache_mb) if prefix_cache_mb and prefix_reuse_unsupported_reason(target.model) is None else None
+    if shared_prefixes is not None and variant.prefix is None:
+        target_prefixes = shared_prefixes
     settings = replace(settings, prefix_cache_mb=prefix_cache_mb)
     if name == "plain":
         return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head, prefix_cache=target_prefixes), [target_prefixes] if target_prefixes is not None else [])

@@ -18,6 +18,12 @@ RSS_NOTE = (
     "includes the loaded target and draft models (and allocator caches left by earlier runs); "
     "differences between methods show their extra working memory."
 )
+# bench --share-prefill: every method after the first restores each prompt instead of prefilling it.
+SHARED_PREFILL_NOTE = (
+    "**Prefill shared (--share-prefill):** the first method to run a prompt prefilled it, the others restored "
+    "its keys, values and features (the same tokens): compare the decode speed-ups (prefill excluded); "
+    "the wall-clock ones favour every method after the first."
+)
 SPEEDUP_NOTE = (
     "Every method ran on a prompt, in the order listed, before the next prompt started, so machine noise "
     "hit all methods alike. Speed-up: for each prompt, the method's tokens/s over the baseline's tokens/s on the same prompt "
@@ -195,7 +201,8 @@ def markdown_report(payload: dict[str, Any], summaries: Sequence[MethodSummary],
     if summaries:
         table = summary_table(summaries, payload["identical_reference"], payload["memory"]["rss_before_bytes"])
         warmup = " Each method first ran once briefly, untimed (warm-up)." if payload["settings"].get("warmup") else ""
-        out += [markdown_table(*table), "", SPEEDUP_NOTE + warmup, ""]
+        shared = f" {SHARED_PREFILL_NOTE}" if payload["settings"].get("share_prefill") else ""
+        out += [markdown_table(*table), "", SPEEDUP_NOTE + warmup + shared, ""]
     else:
         out += ["No run finished.", ""]
     baseline = next((b for b in ("plain", "hf-plain") if any(b in s.speedup for s in summaries)), None)
