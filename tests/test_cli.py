@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import write_tiny_qwen2_gguf
+from tiny_models import tiny_target, write_tiny_qwen2_gguf
 from verispec.cli import main
 from verispec.models.packed_linear import onednn_packing_available
 from verispec.models.panel_linear import panel_kernels_unavailable_reason
@@ -235,6 +235,38 @@ def test_costs_prints_a_table_per_kernel_setting(tiny_gguf, capsys):
     assert "8-token cache" in err and "4: " in err
     assert out.count("(auto's choice here)") == 1  # --target-kernels auto's pick, timed on this model
     assert "1.00x" in out
+
+
+def test_costs_after_a_random_context_times_our_lean_forward_and_skips_the_rest(tiny_gguf, capsys):
+    args = ["costs", "--target", tiny_gguf, "--draft", tiny_gguf, "--context", "64", "--tokens", "1,4", "--repeats", "2", "--context-fill", "random", "--draft-vocab", "0"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "after a 64-token cache, random keys and values" in out
+    timed = ["draft float32, lean", "draft int8, lean, torch kernels"] + (["target panel", "draft int8, lean, panel (default)"] if panel_kernels_unavailable_reason() is None else [])
+    for setting in timed:
+        assert re.search(rf"^{re.escape(setting)}( \(auto's choice here\))? +\d+ms", out, re.MULTILINE), setting
+    for setting in ("target dense", "draft float32", "draft int8"):  # transformers' forward: no random fill, said so
+        assert re.search(rf"^costs: {re.escape(setting)}( \(auto's choice here\))?: skipped \(--context-fill random: ", err, re.MULTILINE), setting
+        assert not re.search(rf"^{re.escape(setting)}( \(auto's choice here\))? +\d+ms", out, re.MULTILINE)
+
+
+def test_a_random_timing_context_fills_an_empty_lean_sequence_only():
+    from verispec.bench.costs import ContextFillUnsupported, forward_costs
+    from verispec.engine.lean_lm import LeanDecoder, LeanLM
+
+    model = tiny_target()
+    lm = LeanLM(model, LeanDecoder.shared(model, panel_kernels=False))
+    lm.fill_for_timing(40, torch.Generator().manual_seed(0))
+    assert len(lm) == 40 and all(layer_cache.length == 40 for layer_cache in lm.cache)
+    assert lm.extend([5, 6, 7], num_logits=3).logits.shape[0] == 3 and len(lm) == 43  # passes run after it
+    lm.crop(40)
+    with pytest.raises(ValueError, match="fill_for_timing needs an empty sequence"):
+        lm.fill_for_timing(8, torch.Generator())
+    with pytest.raises(ContextFillUnsupported, match="lean forward's caches only"):
+        forward_costs(model, 16, [1], repeats=1, context_fill="random")  # transformers' own forward
+    with pytest.raises(ValueError, match="context_fill must be one of prefill, random"):
+        forward_costs(model, 16, [1], repeats=1, context_fill="zeros")
+    assert [cost.new_tokens for cost in forward_costs(model, 16, [1, 2], repeats=1, lean=True, context_fill="random")] == [1, 2]
 
 
 def test_costs_bad_token_list(tiny_gguf, capsys):

@@ -281,6 +281,7 @@ def _build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model, or 'none' (default {DEFAULT_DRAFT})")
     add_target_dtype_option(costs)
     costs.add_argument("--context", type=int, default=300, help="tokens already in the KV cache (default 300)")
+    costs.add_argument("--context-fill", choices=["prefill", "random"], default="prefill", help="prefill (default): run the model over --context tokens of text first; random: fill our lean forward's KV caches with random keys and values instead — the same attention work, seconds instead of minutes at 16K tokens; settings that do not run our lean forward (and the parallel head's drafting) are then skipped; the EAGLE head is always timed after random features")
     costs.add_argument("--tokens", default="1,2,3,4,5,6,8,12,16", help="comma list of new-token counts per pass")
     costs.add_argument("--repeats", type=int, default=5, help="passes per count; the median is reported (default 5)")
     costs.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -649,7 +650,7 @@ def _costs(args: argparse.Namespace) -> int:
     # Both heads are found (or refused) now, not after minutes of timing.
     head_path = _head_if_any(_eagle_head_path, args, args.eagle_head)
     parallel_head = _head_if_any(parallel_head_path, args, args.parallel_head)
-    table = CostTable(f"{args.context}-token cache")  # prints each setting as it is timed: at 8K a setting takes minutes
+    table = CostTable(f"{args.context}-token cache" + (", random" if args.context_fill == "random" else ""), context_fill=args.context_fill)  # prints each setting as it is timed: at 8K a setting takes minutes
     target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
     float32 = target.model.dtype == torch.float32
     from verispec.models.panel_linear import bf16_kernels_available
@@ -687,7 +688,7 @@ def _costs(args: argparse.Namespace) -> int:
             table.add(f"eagle int8, {len(reduced.vocab_ids)} vocab", eagle_costs, EagleDrafter(target, head_path, quantize=True), args.context, counts, args.repeats)
         table.add("eagle, full vocab", eagle_costs, EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
-    if parallel_head is not None:
+    if parallel_head is not None and args.context_fill == "prefill":
         print_proposal_costs(args.context, args.repeats, target, parallel_head, head_path)
     del target
     if args.draft.lower() != "none":
@@ -714,7 +715,8 @@ def _costs(args: argparse.Namespace) -> int:
 
             reduced = DraftModel(draft, draft_vocab=args.draft_vocab)
             table.add(f"draft int8, {len(reduced.vocab_ids)} vocab", forward_costs, draft.model, args.context, counts, args.repeats, lm_head=reduced.lm_head, lean=lean, panel_kernels=reduced.lean_decoder is not None and reduced.lean_decoder.panel_kernels)
-    print(f"median ms per forward pass over N new tokens after a {args.context}-token cache ({torch.get_num_threads()} threads)")
+    fill = ", random keys and values" if args.context_fill == "random" else ""
+    print(f"median ms per forward pass over N new tokens after a {args.context}-token cache{fill} ({torch.get_num_threads()} threads)")
     print(format_costs(table.rows))
     return 0
 

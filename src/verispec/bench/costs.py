@@ -14,9 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import torch
+
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, target_lm
 from verispec.models.panel_linear import panel_or_same
+
+
+CONTEXT_FILLS = ("prefill", "random")
+
+
+class ContextFillUnsupported(ValueError):
+    """A setting that cannot time passes after a random context (``verispec costs`` skips it)."""
 
 
 @dataclass
@@ -36,6 +45,7 @@ def forward_costs(  # noqa: ANN201 - list[ForwardCost]
     transformers_forward: bool = False,
     text_ids: list[int] | None = None,
     argmax_only: bool = False,
+    context_fill: str = "prefill",
 ) -> list[ForwardCost]:
     """Median seconds of one pass over ``n`` new tokens after a ``context_tokens`` cache, per n.
 
@@ -50,9 +60,17 @@ def forward_costs(  # noqa: ANN201 - list[ForwardCost]
     ``text_ids``: real text for the cache and the new tokens (its first ``context_tokens`` ids, then
     the ids that follow), instead of arbitrary fixed ids. The cost of a greedy pass through the
     screened LM head (``argmax_only``) depends on how sure the model is, so it needs real text.
+
+    ``context_fill``: "prefill" runs the model over the context; "random" fills our lean forward's
+    caches with random keys and values instead (:meth:`LeanLM.fill_for_timing`: seconds instead of
+    minutes at 16K tokens, the same attention work); :class:`ContextFillUnsupported` for any other forward.
     """
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
         raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
+    if context_fill not in CONTEXT_FILLS:
+        raise ValueError(f"context_fill must be one of {', '.join(CONTEXT_FILLS)}, got {context_fill!r}")
+    if context_fill == "random" and text_ids is not None:
+        raise ContextFillUnsupported("real text (text_ids) needs a prefilled context")
     if text_ids is not None and len(text_ids) < context_tokens + max(new_token_counts):
         raise ValueError(f"text_ids holds {len(text_ids)} tokens; context_tokens + the largest count need {context_tokens + max(new_token_counts)}")
     if panel_kernels:
@@ -62,9 +80,14 @@ def forward_costs(  # noqa: ANN201 - list[ForwardCost]
     else:
         lm = target_lm(model) if lm_head is None and not transformers_forward else CachedLM(model, lm_head=lm_head)
     vocab = lm.vocab_size
-    # Arbitrary but fixed token ids: the full head's cost does not depend on which tokens they are.
-    context = text_ids[:context_tokens] if text_ids is not None else [(7 * i + 11) % vocab for i in range(context_tokens)]
-    lm.extend(context, num_logits=0)
+    if context_fill == "random":
+        if not isinstance(lm, LeanLM):
+            raise ContextFillUnsupported("a random context fills our lean forward's caches only")
+        lm.fill_for_timing(context_tokens, torch.Generator().manual_seed(0))
+    else:
+        # Arbitrary but fixed token ids: the full head's cost does not depend on which tokens they are.
+        context = text_ids[:context_tokens] if text_ids is not None else [(7 * i + 11) % vocab for i in range(context_tokens)]
+        lm.extend(context, num_logits=0)
     lm.extend(text_ids[context_tokens : context_tokens + 1] if text_ids is not None else [1], num_logits=1, argmax_only=argmax_only)  # warm-up
     lm.crop(context_tokens)
     costs = []
@@ -88,18 +111,30 @@ class CostTable:
     without a line), and a table printed only at the end looked like a hang and lost every
     setting timed so far to Ctrl-C."""
 
-    def __init__(self, context: str, stream: TextIO | None = None) -> None:
+    def __init__(self, context: str, stream: TextIO | None = None, context_fill: str = "prefill") -> None:
+        """``context_fill``: passed to every :func:`forward_costs` setting; one that cannot time
+        after a "random" context is skipped with a line saying so."""
         self.context = context
         self.stream = stream if stream is not None else sys.stderr
+        self.context_fill = context_fill
         self.rows: dict[str, list[ForwardCost]] = {}
 
     def add(self, name: str, measure: Callable[..., list[ForwardCost]], *args: Any, **kwargs: Any) -> None:
         """Time one setting: ``measure(*args, **kwargs)`` (:func:`forward_costs`, :func:`eagle_costs`)."""
+        if measure is forward_costs:  # (eagle_costs' context is random features anyway)
+            kwargs = {**kwargs, "context_fill": self.context_fill}
         print(f"costs: timing {name} ({self.context}) ...", file=self.stream, flush=True)
         started = time.perf_counter()
-        costs = self.rows[name] = measure(*args, **kwargs)
+        try:
+            costs = measure(*args, **kwargs)
+        except ContextFillUnsupported as reason:
+            return self._skip(name, str(reason))
+        self.rows[name] = costs
         passes = ", ".join(f"{cost.new_tokens}: {cost.median_s * 1000:.0f} ms" for cost in costs)
         print(f"costs: {name}: {passes} ({time.perf_counter() - started:.0f} s)", file=self.stream, flush=True)
+
+    def _skip(self, name: str, reason: str) -> None:
+        print(f"costs: {name}: skipped (--context-fill {self.context_fill}: {reason})", file=self.stream, flush=True)
 
 
 def stdlib_text_ids(tokenizer, count: int) -> list[int]:  # noqa: ANN001 - a Hugging Face tokenizer

@@ -448,6 +448,20 @@ class LeanLM(CachedLM):
         if self.feature_log is not None:
             self.feature_log.append(features)
 
+    @torch.inference_mode()
+    def fill_for_timing(self, count: int, generator: torch.Generator) -> None:
+        """Append ``count`` positions of random keys and values (token id 0) to an empty sequence,
+        for timing only: what a pass's attention over them costs does not depend on their values, and
+        a real prefill of a long context takes minutes (16K tokens: ~8 on 2 cores). Never decode
+        from it: the positions are not the model's."""
+        if len(self.token_ids) or self.prefixes is not None:
+            raise ValueError("fill_for_timing needs an empty sequence without a prefix cache")
+        for layer_cache in self.cache:
+            keys, values = layer_cache.claim(count, self.decoder.num_kv_heads, self.decoder.head_dim)
+            keys.normal_(generator=generator)
+            values.normal_(generator=generator)
+        self.token_ids.extend([0] * count)
+
     def release(self) -> None:
         if self.prefixes is not None:  # the whole sequence, before freeing it
             self.prefixes.keep(self.token_ids, self.cache, self.feature_log)
