@@ -11,7 +11,7 @@ from tiny_models import write_tiny_qwen2_gguf
 from verispec.bench import methods as bench_methods
 from verispec.bench.methods import RunOutput
 from verispec.bench.prompts import Prompt, first_per_category, prompts_from_file, spec_bench_prompts
-from verispec.bench.runner import WARMUP_TOKENS, BenchSettings, Row, run_bench
+from verispec.bench.runner import WARMUP_PROMPT_TOKENS, WARMUP_TOKENS, BenchSettings, Row, run_bench
 from verispec.bench.summary import first_difference, speedup, summarize
 from verispec.drafters.draft_model import DraftModelSettings
 from verispec.models.panel_linear import panel_kernels_unavailable_reason
@@ -432,11 +432,17 @@ def test_runner_interleaves_methods_prompt_by_prompt():
     prompts = [Prompt("p1", "x", "one"), Prompt("p2", "x", "two")]
     run = run_bench(prompts, methods, BenchSettings(max_new_tokens=16, sampling=SamplingParams()), CharTokenizer())
     assert run.complete
-    # Each method's warm-up, then it forgets it (stored prefixes): the timed run of that prompt starts cold.
-    warmup = [entry for m in ["a", "b", "c"] for entry in ((m, "<user>one<assistant>", WARMUP_TOKENS), (m, "forget", 0))]
+    # Every method's warm-up, then every method forgets it (stored prefixes): the timed run of that
+    # prompt starts cold, and methods sharing a prefix cache prefilled the warm-up prompt once.
+    warmup = [(m, "<user>one<assistant>", WARMUP_TOKENS) for m in ["a", "b", "c"]] + [(m, "forget", 0) for m in ["a", "b", "c"]]
     timed = [(m, f"<user>{p}<assistant>", 16) for p in ["one", "two"] for m in ["a", "b", "c"]]
     assert log == warmup + timed
     assert [(r.prompt_id, r.method) for r in run.rows] == [(p, m) for p in ["p1", "p2"] for m in ["a", "b", "c"]]
+    # A long first prompt: the warm-up reads only its first WARMUP_PROMPT_TOKENS tokens, the timed run all of it.
+    log.clear()
+    long_text = "y" * (2 * WARMUP_PROMPT_TOKENS)
+    run_bench([Prompt("long", "x", long_text)], {"a": methods["a"]}, BenchSettings(max_new_tokens=4, sampling=SamplingParams()), CharTokenizer())
+    assert [len(text) for _, text, _ in log if text != "forget"] == [WARMUP_PROMPT_TOKENS, len(f"<user>{long_text}<assistant>")]
     assert set(run.peak_rss) == {"a", "b", "c"}
 
 

@@ -2,8 +2,9 @@
 
 For each prompt (and each turn, with ``multi_turn``) every method runs before the next prompt
 starts, so slow drifts of the machine (other load, clock changes) hit all methods alike and the
-per-prompt ratios stay fair. Before timing, each method runs once briefly (untimed) so one-off
-costs (first-call allocations, adaptive cost estimates) do not land on the first prompt.
+per-prompt ratios stay fair. Before timing, each method runs once briefly (untimed, on the first
+prompt's first ``WARMUP_PROMPT_TOKENS`` tokens) so one-off costs (first-call allocations, adaptive
+cost estimates) do not land on the first prompt.
 
 Multi-turn: turn k's input is the conversation so far - the user turns, each followed by the
 answer of *our plain decoding* to it (the same context for every method; its own output when
@@ -22,6 +23,9 @@ from verispec.bench.prompts import Prompt
 from verispec.sampling import SamplingParams
 
 WARMUP_TOKENS = 8
+# The warm-up reads at most this many tokens of the first prompt: it is there for one-off costs, and
+# a long-context run's first prompt (16K tokens: ~8 min of prefill on 2 cores) would pay them many times over.
+WARMUP_PROMPT_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -118,11 +122,15 @@ def run_bench(
     monitor = PeakRss().start()
     try:
         if settings.warmup:
-            first = conversation_ids(tokenizer, [{"role": "user", "content": prompts[0].text}], settings.chat)
+            first = conversation_ids(tokenizer, [{"role": "user", "content": prompts[0].text}], settings.chat)[:WARMUP_PROMPT_TOKENS]
             for method in methods.values():
                 method.run(first, min(WARMUP_TOKENS, settings.max_new_tokens), settings.sampling)
+            # The timed runs of that prompt must not start from the warm-ups' prompts. Forgotten after
+            # all of them: methods sharing one prefix cache (--share-prefill) then prefill the
+            # warm-up prompt once between them, not once each (a 16K-token prompt: ~8 min a prefill).
+            for method in methods.values():
                 forget = getattr(method, "forget", None)
-                if forget is not None:  # the timed run of that prompt must not start from the warm-up's
+                if forget is not None:
                     forget()
         for prompt in prompts:
             messages: list[dict[str, str]] = []
