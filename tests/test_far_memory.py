@@ -252,6 +252,29 @@ def test_greedy_decode_with_far_memory_is_token_identical_to_plain(target, mode)
         assert all(1 <= accepted + 1 <= 4 for accepted in result.stats.accepted_per_round)  # 1..gamma+1 tokens a call
 
 
+def test_a_local_window_catch_up_computes_only_the_rows_later_calls_can_see(target):
+    from verispec.drafters.base import DraftContext
+    from verispec.sampling import SamplingParams
+
+    drafter = EagleDrafter(target, fresh_head(target), far_memory=FarMemoryConfig("local", local_window=4))
+    prompt = list(range(20, 50))
+    context = DraftContext(prompt, torch.randn(len(prompt) - 1, target.config.hidden_size), 0)  # features of positions 0..28
+    rows_read: list[int] = []
+    hook = drafter.head.register_forward_hook(lambda module, args, output: rows_read.append(args[0].shape[1]))
+    skipping = drafter.start(prompt, SamplingParams())
+    proposal = skipping.propose(context, 5, torch.Generator())
+    every_row = drafter.start(prompt, SamplingParams())
+    every_row._never_read = lambda num_fresh: 0  # the reference: every catch-up row computed
+    reference = every_row.propose(context, 5, torch.Generator())
+    hook.remove()
+    assert rows_read[0] == 4 and rows_read[len(rows_read) // 2] == len(prompt) - 1  # the two catch-ups: the window's rows, then all
+    assert proposal.tokens == reference.tokens and len(proposal.tokens) == 5
+    assert skipping.num_real == every_row.num_real == len(prompt) - 1 and skipping.cache.length == every_row.cache.length
+    torch.testing.assert_close(skipping.next_feature, every_row.next_feature)
+    # Fold (and full) attention read every older row: nothing is skipped there.
+    assert EagleDrafter(target, fresh_head(target), far_memory=FarMemoryConfig("fold", local_window=4)).start(prompt, SamplingParams())._never_read(29) == 0
+
+
 def test_bench_methods_pick_the_mode_and_keep_the_window_temperature_and_weight(target):
     from verispec.bench.methods import build_method
 
