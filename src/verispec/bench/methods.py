@@ -358,9 +358,10 @@ def build_method(
     from verispec.engine.prefix_cache import prefix_cache_of_mb
 
     prefix_cache_mb = variant.prefix if variant.prefix is not None else prefix_cache_mb
-    target_prefixes = prefix_cache_of_mb(prefix_cache_mb) if prefix_cache_mb and prefix_reuse_unsupported_reason(target.model) is None else None
     if shared_prefixes is not None and variant.prefix is None:
         target_prefixes = shared_prefixes
+    else:
+        target_prefixes = prefix_cache_of_mb(prefix_cache_mb) if prefix_cache_mb and prefix_reuse_unsupported_reason(target.model) is None else None
     settings = replace(settings, prefix_cache_mb=prefix_cache_mb)
     if name == "plain":
         return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head, prefix_cache=target_prefixes), [target_prefixes] if target_prefixes is not None else [])
