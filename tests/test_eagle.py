@@ -21,6 +21,7 @@ from verispec.drafters.far_memory import FarMemoryConfig
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.eagle.train import TrainSettings, train_head
 from verispec.models import LoadedModel
+from verispec.models.quantize import MixedPrecisionLinear
 
 VOCAB = 96
 # target_fingerprint(load_model(DEFAULT_TARGET)): the built-in target's embedding/LM-head sample, as
@@ -98,6 +99,55 @@ def test_last_only_catch_up_predicts_the_last_row_and_caches_every_row(target, m
         head(features, embeds, last_only=True)
 
 
+@pytest.mark.parametrize("mode", ["full", "fold"])
+def test_catch_up_in_chunks_with_distinct_embeddings_is_the_one_pass_catch_up(target, monkeypatch, mode):
+    # A long prompt's catch-up runs CATCH_UP_CHUNK rows at a time and computes fc's embedding half
+    # once per distinct next token (embed_rows): the same prediction and cache as one pass.
+    from verispec.drafters.eagle import head as head_module
+
+    head = fresh_head(target)
+    hidden = target.config.hidden_size
+    far_memory = FarMemoryConfig(mode, local_window=3)
+    tokens = torch.tensor([5, 9, 5, 5, 2, 9, 31, 2, 5, 40, 9])  # repeats
+    distinct, embed_rows = tokens.unique(return_inverse=True)
+    embedding = target.get_input_embeddings()
+    features = torch.randn(1, len(tokens), hidden)
+    caches = [LayerKVCache() for _ in range(3)]
+    one_pass = head(features, embedding(tokens[None]), start=0, cache=caches[0], far_memory=far_memory, last_only=True)
+    monkeypatch.setattr(head_module, "CATCH_UP_CHUNK", 4)  # 4 + 4 + 3 rows
+    chunked = head(features, embedding(tokens[None]), start=0, cache=caches[1], far_memory=far_memory, last_only=True)
+    shared = head(features, embedding(distinct[None]), start=0, cache=caches[2], far_memory=far_memory, last_only=True, embed_rows=embed_rows)
+    for other, cache in ((chunked, caches[1]), (shared, caches[2])):
+        torch.testing.assert_close(other, one_pass, atol=1e-5, rtol=1e-5)
+        assert cache.length == len(tokens)
+        torch.testing.assert_close(cache.keys[:, : len(tokens)], caches[0].keys[:, : len(tokens)], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.values[:, : len(tokens)], caches[0].values[:, : len(tokens)], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="embed_rows"):
+        head(features, embedding(distinct[None]), start=0, cache=LayerKVCache(), embed_rows=embed_rows)  # not last_only
+    with pytest.raises(ValueError, match="embed_rows"):
+        head(features, embedding(distinct[None]), start=0, cache=LayerKVCache(), last_only=True, embed_rows=embed_rows[:-1])
+
+
+def test_drafter_catch_up_over_a_prompt_reads_each_distinct_token_once(target, monkeypatch):
+    # The drafter passes distinct embeddings for catch-ups longer than DISTINCT_EMBEDS_FROM_ROWS:
+    # the same drafts and head cache as reading every row's embedding.
+    from verispec.drafters.base import DraftContext
+    from verispec.drafters.eagle import drafter as drafter_module
+
+    drafter = EagleDrafter(target, fresh_head(target))
+    hidden = target.config.hidden_size
+    prompt = [7, 3, 7, 7, 12, 3, 40, 12, 7, 3, 55, 7, 3, 3, 9, 7]
+    features = torch.randn(len(prompt) - 1, hidden, generator=torch.Generator().manual_seed(1))
+    proposals, sessions = [], []
+    for threshold in (10**9, 4):
+        monkeypatch.setattr(drafter_module, "DISTINCT_EMBEDS_FROM_ROWS", threshold)
+        session = drafter.start(prompt, SamplingParams())
+        proposals.append(session.propose(DraftContext(prompt, features, 0), 4, torch.Generator()))
+        sessions.append(session)
+    assert proposals[1].tokens == proposals[0].tokens and len(proposals[0].tokens) == 4
+    torch.testing.assert_close(sessions[1].cache.keys[:, : len(prompt) - 1], sessions[0].cache.keys[:, : len(prompt) - 1], atol=1e-5, rtol=1e-5)
+
+
 def test_unrolled_steps_are_what_cached_drafting_computes(target):
     """Step s of the unrolled pass at row i == the s-th cached drafting step after committing i-s+2 tokens."""
     head = fresh_head(target)
@@ -168,12 +218,16 @@ def test_other_families_get_a_head_of_their_shape(family):
     assert eagle.generate(prompt, 20, stop=[]).token_ids == SpeculativeDecoder(model).generate(prompt, 20, stop=[]).token_ids
 
 
-def test_int8_head_is_a_quantised_copy_and_stays_exact(target):
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["float32-fc", "bf16-products-fc"])
+def test_int8_head_is_a_quantised_copy_and_stays_exact(target, monkeypatch, native_bf16):
+    monkeypatch.setattr("verispec.drafters.draft_vocab.native_bf16_products", lambda: native_bf16)
     head = fresh_head(target)
     drafter = EagleDrafter(target, head, draft_vocab=torch.arange(0, VOCAB, 2), quantize=True)
     assert type(head.fc) is torch.nn.Linear  # the caller's head is untouched
     assert "quantized" in type(drafter.head.q_proj).__module__ and "quantized" in type(drafter._lm_head).__module__
-    assert type(drafter.head.fc) is torch.nn.Linear and drafter.head.fc is not head.fc  # float32, see the next test
+    # fc keeps float32 weights (see the next test); its products run in bfloat16 where the CPU has them natively
+    assert type(drafter.head.fc) is (MixedPrecisionLinear if native_bf16 else torch.nn.Linear) and drafter.head.fc is not head.fc
+    torch.testing.assert_close(drafter.head.fc.weight, head.fc.weight, rtol=0, atol=0)
     decoder = SpeculativeDecoder(target, drafter, gamma=4)
     prompt = [9, 8, 7, 6]
     result = decoder.generate(prompt, 25, stop=[])
@@ -182,10 +236,13 @@ def test_int8_head_is_a_quantised_copy_and_stays_exact(target):
     assert len(sampled.token_ids) == 25
 
 
-def test_int8_head_still_sees_the_token_one_step_ahead_beside_outlier_features(target):
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["float32-fc", "bf16-products-fc"])
+def test_int8_head_still_sees_the_token_one_step_ahead_beside_outlier_features(target, monkeypatch, native_bf16):
     # Real targets' features have a few dimensions 10-20x the rest, and token embeddings are ~100x
     # smaller than features: an int8 linear over concat(embedding, feature), one activation scale per
-    # call, would round the embedding to zero and make the head blind to the next token.
+    # call, would round the embedding to zero and make the head blind to the next token. bfloat16
+    # products keep 8 significant bits per element, whatever its size.
+    monkeypatch.setattr("verispec.drafters.draft_vocab.native_bf16_products", lambda: native_bf16)
     head = fresh_head(target)
     quantized = EagleDrafter(target, head, quantize=True).head
     hidden = head.config.hidden_size

@@ -408,6 +408,50 @@ def test_int8_quantization_scales_each_output_row():
     assert float(relative_error.max()) < 0.02, relative_error  # per-tensor scales: ~1.0 for rows 1..3
 
 
+def test_mixed_precision_linear_multiplies_in_bfloat16_but_its_float32_columns():
+    from verispec.models.quantize import MixedPrecisionLinear, linear_columns, quantize_int8
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(12, 5)
+    mixed = MixedPrecisionLinear(linear, float32_columns=4)
+    x = torch.randn(3, 7, 12)  # [batch, rows, in]
+    out = mixed(x)
+    assert out.dtype == torch.float32 and out.shape == (3, 7, 5)
+    bf16_part = torch.nn.functional.linear(x[..., 4:].bfloat16(), linear.weight[:, 4:].bfloat16()).float()
+    reference = bf16_part + torch.nn.functional.linear(x[..., :4], linear.weight[:, :4]) + linear.bias
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, linear(x), rtol=0.02, atol=0.02)  # bfloat16 rounding only
+    # The float32 columns keep a small input's share of a large sum (bfloat16 sums would round it away).
+    x[..., 4:] *= 300.0
+    small_change = torch.zeros(12)
+    small_change[:4] = 1e-3
+    moved = mixed(x + small_change) - mixed(x)
+    torch.testing.assert_close(moved, linear(x + small_change) - linear(x), rtol=1e-3, atol=1e-4)
+    assert mixed.state_dict().keys() == linear.state_dict().keys()  # the part copies are not saved
+    torch.testing.assert_close(mixed.weight, linear.weight, rtol=0, atol=0)
+    # A linear over [a ; b] is the sum of its columns' parts plus the bias, in either precision.
+    for layer in (linear, mixed):
+        parts = linear_columns(layer, x[..., :4], slice(0, 4)) + linear_columns(layer, x[..., 4:], slice(4, None)) + layer.bias
+        torch.testing.assert_close(parts, layer(x), rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="parts only"):
+        linear_columns(mixed, x[..., :3], slice(0, 3))
+    with pytest.raises(ValueError, match="int8"):
+        linear_columns(quantize_int8(torch.nn.Sequential(torch.nn.Linear(12, 5)))[0], x[..., :4], slice(0, 4))
+    with pytest.raises(ValueError, match="float32_columns"):
+        MixedPrecisionLinear(linear, float32_columns=13)
+
+
+def test_native_bf16_products_can_be_switched_off(monkeypatch):
+    from verispec.models.quantize import native_bf16_products
+
+    native_bf16_products.cache_clear()
+    monkeypatch.setenv("VERISPEC_NO_BF16", "1")
+    try:
+        assert native_bf16_products() is False
+    finally:
+        native_bf16_products.cache_clear()
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
 def test_reduced_draft_vocabulary_drafts_only_from_it_and_stays_exact(target, quantized):
     from verispec.models import quantize_int8
