@@ -26,7 +26,7 @@ from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, far_mem
 from verispec.drafters.shared_prefix import KeysValues, shared_prefix_attention
 from verispec.models.quantize import linear_columns
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
-from verispec.engine.kv_cache import LayerKVCache, causal_mask_after
+from verispec.engine.kv_cache import LayerKVCache
 
 CATCH_UP_CHUNK = 1024  # rows a catch-up computes at once (see EagleHead._last_row_inputs)
 
@@ -153,9 +153,13 @@ class EagleHead(nn.Module):
         if cache is None:
             context = F.scaled_dot_product_attention(query, key, value, is_causal=num_new > 1, enable_gqa=True)
         else:
+            # Grouped products over the cache, not SDPA: PyTorch's CPU SDPA took 8-12 ms for one
+            # query row over 16K cached keys (12 heads, 2 KV heads), these 2.6 ms in float32, 0.9 ms
+            # from a bfloat16 cache.
             keys, values = cache.append(key[0], value[0])  # [kv_heads, start+n, head_dim]
-            mask = causal_mask_after(start + first_row, num_new - first_row, features.device)
-            context = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, enable_gqa=True)
+            seen = start + first_row  # keys every query row sees; the rows' own keys are causal among them
+            prefix = (keys[None, :, :seen], values[None, :, :seen]) if seen else None
+            context = shared_prefix_attention(query, prefix, None, (keys[None, :, seen:], values[None, :, seen:]), causal=True)
         return self._finish(hidden, context)
 
     def independent_steps(
