@@ -344,6 +344,8 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert main(["costs", *common, "--draft", "none", "--context", "8", "--tokens", "1,3", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "eagle, 50 vocab" in out and "eagle int8, 50 vocab" in out and "eagle, full vocab" in out
+    for name in ("eagle, 50 vocab", "eagle int8, 50 vocab"):  # what reading a prompt costs each head once a request
+        assert re.search(rf"^{re.escape(name)}: catch-up over a 8-token prompt of standard-library code \(a request's first draft\): \d+ ms$", out, re.MULTILINE)
     # A rejection attack searched against the EAGLE head (the default head again).
     attack = ["attack", *common, "--surrogate", "eagle", "--prompt", "hello world", "--suffix-tokens", "2", "--steps", "1",
               "--candidates", "1", "--continuation-tokens", "3", "--search-only", "--out", str(tmp_path / "attack")]  # fmt: skip

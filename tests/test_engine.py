@@ -441,25 +441,6 @@ def test_mixed_precision_linear_multiplies_in_bfloat16_but_its_float32_columns()
         MixedPrecisionLinear(linear, float32_columns=13)
 
 
-def test_cache_products_in_bfloat16_read_the_cache_in_place_and_broadcast():
-    from verispec.drafters.shared_prefix import cache_product
-    from verispec.engine.kv_cache import LayerKVCache
-
-    torch.manual_seed(0)
-    cache = LayerKVCache(torch.bfloat16)
-    keys, values = cache.append(torch.randn(2, 40, 8), torch.randn(2, 40, 8))  # views of longer buffers
-    assert keys.dtype == torch.bfloat16 and cache.keys.shape[1] > 40 and not keys.is_contiguous()
-    rows = torch.randn(3, 2, 5, 8)  # [batch, kv_heads, rows, head_dim]; the cache is shared by the batch
-    scores = cache_product(rows, keys[None].transpose(-1, -2))  # [3, 2, 5, 40]
-    assert scores.dtype == torch.float32 and scores.shape == (3, 2, 5, 40)
-    torch.testing.assert_close(scores, rows @ keys[None].float().transpose(-1, -2), atol=0.1, rtol=0.02)
-    out = cache_product(scores.softmax(-1), values[None])  # [3, 2, 5, 8]
-    torch.testing.assert_close(out, scores.softmax(-1) @ values[None].float(), atol=0.02, rtol=0.02)
-    keys32 = keys.float()
-    torch.testing.assert_close(cache_product(rows, keys32[None].transpose(-1, -2)), rows @ keys32[None].transpose(-1, -2))
-    assert cache.claim(300, 2, 8)[0].dtype == torch.bfloat16  # grown buffers keep the cache's precision
-
-
 def test_native_bf16_products_can_be_switched_off(monkeypatch):
     from verispec.models.quantize import native_bf16_products
 

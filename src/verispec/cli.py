@@ -678,14 +678,21 @@ def _costs(args: argparse.Namespace) -> int:
                 table.add("target panel, greedy, screened head (code text)", forward_costs, panel, args.context, counts, args.repeats, text_ids=text_ids, argmax_only=True)
     if bf16_panel:
         table.add("target panel, bfloat16" + mark.get("panel", ""), forward_costs, use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
+    catch_ups: dict[str, float] = {}  # seconds of each head's catch-up over a prompt of code
     if head_path is not None:
-        from verispec.bench.costs import eagle_costs
+        from verispec.bench.costs import catch_up_cost, eagle_costs
         from verispec.drafters.eagle import EagleDrafter
 
         reduced = EagleDrafter(target, head_path)
+        prompt_ids = stdlib_text_ids(target.tokenizer, args.context + 1)[: args.context + 1] if target.tokenizer is not None else None
         if reduced.vocab_ids is not None:
-            table.add(f"eagle, {len(reduced.vocab_ids)} vocab", eagle_costs, reduced, args.context, counts, args.repeats)
-            table.add(f"eagle int8, {len(reduced.vocab_ids)} vocab", eagle_costs, EagleDrafter(target, head_path, quantize=True), args.context, counts, args.repeats)
+            quantized = EagleDrafter(target, head_path, quantize=True)
+            for name, drafter in ((f"eagle, {len(reduced.vocab_ids)} vocab", reduced), (f"eagle int8, {len(reduced.vocab_ids)} vocab", quantized)):
+                table.add(name, eagle_costs, drafter, args.context, counts, args.repeats)
+                if prompt_ids is not None:
+                    catch_ups[name] = catch_up_cost(drafter, prompt_ids, args.repeats)
+                    print(f"costs: {name}: catch-up over a {args.context}-token prompt: {catch_ups[name] * 1000:.0f} ms", file=sys.stderr, flush=True)
+            del quantized
         table.add("eagle, full vocab", eagle_costs, EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
     if parallel_head is not None and args.context_fill == "prefill":
@@ -718,6 +725,8 @@ def _costs(args: argparse.Namespace) -> int:
     fill = ", random keys and values" if args.context_fill == "random" else ""
     print(f"median ms per forward pass over N new tokens after a {args.context}-token cache{fill} ({torch.get_num_threads()} threads)")
     print(format_costs(table.rows))
+    for name, seconds in catch_ups.items():
+        print(f"{name}: catch-up over a {args.context}-token prompt of standard-library code (a request's first draft): {seconds * 1000:.0f} ms")
     return 0
 
 

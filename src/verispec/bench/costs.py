@@ -197,6 +197,30 @@ def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repea
     return costs
 
 
+def catch_up_cost(drafter, token_ids: list[int], repeats: int = 3) -> float:  # noqa: ANN001 - a Drafter that needs target features
+    """Median seconds of a fresh session's first proposal (one draft) over ``token_ids``: what a
+    feature-reading drafter pays once a request to read the prompt (the EAGLE head's catch-up).
+    Features are random (the cost does not depend on their values); the tokens should be real
+    text, since the head computes each distinct token's share of its input layer once."""
+    import torch
+
+    from verispec.drafters.base import DraftContext
+    from verispec.sampling import SamplingParams
+
+    if len(token_ids) < 2 or repeats < 1:
+        raise ValueError("catch_up_cost needs at least 2 tokens and repeats >= 1")
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(len(token_ids) - 1, drafter.embed.weight.shape[1], generator=generator)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        session = drafter.start(token_ids, SamplingParams())
+        started = time.perf_counter()
+        session.propose(DraftContext(token_ids, features, 0), 1, generator)
+        times.append(time.perf_counter() - started)
+        session.close()
+    return statistics.median(times[1:])
+
+
 def proposal_cost(drafter, context_tokens: int, num_drafts: int, repeats: int = 5) -> float:  # noqa: ANN001 - a Drafter that needs target features
     """Median seconds per PROPOSED token of one round's drafting, any feature-reading drafter.
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.drafters.shared_prefix import cache_product
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 
 ATTENTION_MODES = ("full", "local", "fold")
@@ -161,11 +160,10 @@ def _grouped_matmul(grouped: torch.Tensor, shared: torch.Tensor) -> torch.Tensor
     """grouped # [kv_heads, group, b, x] @ shared # [kv_heads, x, y] -> # [kv_heads, group, b, y].
 
     One bmm with the group folded into the rows: broadcasting ``shared`` over the group instead
-    would copy it once per query head (keys can be 16K long). In the precision of ``shared``
-    (cached keys or values: bfloat16 halves the bytes read), float32 out.
+    would copy it once per query head (keys can be 16K long).
     """
     kv_heads, group, rows, width = grouped.shape
-    return cache_product(grouped.reshape(kv_heads, group * rows, width), shared).view(kv_heads, group, rows, -1)
+    return torch.bmm(grouped.reshape(kv_heads, group * rows, width), shared).view(kv_heads, group, rows, -1)
 
 
 @dataclass(frozen=True)
@@ -216,7 +214,7 @@ def far_memory_prefix_attention(
     if local_from < num_prefix:
         key_positions = torch.arange(local_from, num_prefix, device=query.device)
         cos_k, sin_k = rotary_cos_sin(key_positions.float(), rows.inv_freq)
-        local_scores = cache_product(grouped, apply_rotary(keys[:, :, local_from:], cos_k, sin_k).transpose(-1, -2))  # [batch, kv, group·n, P-local_from]
+        local_scores = grouped @ apply_rotary(keys[:, :, local_from:], cos_k, sin_k).transpose(-1, -2)  # [batch, kv, group·n, P-local_from]
         masked = row_positions - key_positions >= window
         if visible is not None:
             masked = masked | ~visible[..., local_from:]
@@ -227,7 +225,7 @@ def far_memory_prefix_attention(
     if rows.config.mode == "fold" and memory_end > 0:
         cos_w, sin_w = rotary_cos_sin(torch.tensor([float(window)], device=query.device), rows.inv_freq)
         at_window = apply_rotary(query, cos_w, sin_w).reshape(batch, kv_heads, group * num_new, head_dim)
-        memory_scores = cache_product(at_window, keys[:, :, :memory_end].transpose(-1, -2)).mul_(scale / rows.config.memory_temperature).add_(math.log(rows.config.memory_weight))
+        memory_scores = (at_window @ keys[:, :, :memory_end].transpose(-1, -2)).mul_(scale / rows.config.memory_temperature).add_(math.log(rows.config.memory_weight))
         masked = row_positions - torch.arange(memory_end, device=query.device) < window
         if visible is not None:
             masked = masked | ~visible[..., :memory_end]
@@ -237,6 +235,6 @@ def far_memory_prefix_attention(
     out, first = 0, 0
     for scores, part in zip(parts, part_values):
         width = scores.shape[-1]
-        out = out + cache_product(weights[..., first : first + width], part)
+        out = out + weights[..., first : first + width] @ part
         first += width
     return out.reshape(batch, heads, num_new, head_dim)

@@ -13,8 +13,7 @@ import torch
 class LayerKVCache:
     """Keys and values of one attention layer for one sequence; ``crop`` is the only rollback."""
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
-        self.dtype = dtype  # the stored precision; None: that of the first keys stored (float32 for a claim)
+    def __init__(self) -> None:
         self.keys: torch.Tensor | None = None  # [kv_heads, capacity, head_dim]
         self.values: torch.Tensor | None = None
         self.length = 0
@@ -27,15 +26,13 @@ class LayerKVCache:
         all_values[:, start:] = values
         return all_keys, all_values
 
-    def claim(self, num_new: int, kv_heads: int, head_dim: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def claim(self, num_new: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the end ``num_new`` positions on (growing the buffers if needed) for a caller that
         writes those keys/values itself; return the keys/values up to the new end # [kv_heads, end, head_dim]
-        (views of the buffers, whose capacity is ``self.keys.shape[1]``). The buffers' precision is
-        the cache's ``dtype`` if set, else ``dtype`` (float32 if None) when they are first made."""
+        (views of the buffers, whose capacity is ``self.keys.shape[1]``)."""
         end = self.length + num_new
         if self.keys is None or end > self.keys.shape[1]:
             capacity = max(end, 2 * (0 if self.keys is None else self.keys.shape[1]), 256)
-            dtype = self.keys.dtype if self.keys is not None else self.dtype or dtype or torch.float32
             grown_k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype)
             grown_v = torch.empty_like(grown_k)
             if self.keys is not None:

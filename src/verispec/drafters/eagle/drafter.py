@@ -27,7 +27,6 @@ from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
 from verispec.drafters.far_memory import FarMemoryConfig, checked_far_memory
 from verispec.engine.kv_cache import LayerKVCache
-from verispec.models.quantize import MixedPrecisionLinear
 from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
 
@@ -49,7 +48,7 @@ class EagleDrafter:
     ``use_draft_vocab=False`` drafts over the full vocabulary with the shared LM head.
     ``quantize=True``: int8 dynamic linears for the head and its LM-head rows (a copy of the head;
     cheaper draft steps, possibly lower acceptance, the output exact either way); where the CPU
-    multiplies bfloat16 natively, also fc's feature half and the head's KV cache in bfloat16.
+    multiplies bfloat16 natively, fc's feature half in bfloat16 too.
     ``far_memory``: how the head attends over long contexts; None (or mode "full") as trained.
     ``path_confidence``: stop a round early once the product of the head's probabilities of this
     round's drafts falls below this (the draft model's rule, :func:`round_stops`): long rounds where
@@ -84,10 +83,6 @@ class EagleDrafter:
         lm_head = target_model.get_output_embeddings()
         self.vocab_ids, self._lm_head = reduced_lm_head(lm_head, draft_vocab if use_draft_vocab else None, quantize=quantize)  # [draft_vocab] or None
         self.vocab_size = int(lm_head.weight.shape[0])
-        # The head's keys and values in bfloat16 where it runs bfloat16 products (resolve_head's
-        # choice for the cheaper head on CPUs that have them): a draft step over a 16K context
-        # reads half the bytes (attention 0.9 against 2.6 ms).
-        self.cache_dtype = torch.bfloat16 if isinstance(self.head.fc, MixedPrecisionLinear) else torch.float32
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary # [n, draft_vocab] for features # [n, hidden]."""
@@ -101,7 +96,7 @@ class EagleSession:
     def __init__(self, drafter: EagleDrafter, sampling: SamplingParams) -> None:
         self.drafter = drafter
         self.sampling = sampling
-        self.cache = LayerKVCache(self.drafter.cache_dtype)
+        self.cache = LayerKVCache()
         self.num_real = 0  # head positions fed with real target features (0 .. num_real-1)
         self.next_feature: torch.Tensor | None = None  # [hidden]: f̂ at position num_real, from the catch-up
 
@@ -175,5 +170,5 @@ class EagleSession:
         return max(0, num_fresh - far_memory.local_window)
 
     def close(self) -> None:
-        self.cache = LayerKVCache(self.drafter.cache_dtype)
+        self.cache = LayerKVCache()
         self.num_real, self.next_feature = 0, None
