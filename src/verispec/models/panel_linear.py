@@ -83,7 +83,8 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -99,7 +100,7 @@ def _machine_flags() -> list[str]:
     dot products (AVX512-BF16, and AMX tiles on top), if it has them. ``VERISPEC_NO_AVX512=1`` /
     ``VERISPEC_NO_VNNI=1`` / ``VERISPEC_NO_AMX=1`` build without them (the tests run the AVX2 paths
     that way on any machine)."""
-    cpu, flags = _cpu_flags(), []
+    cpu, flags = cpu_flags(), []
     amx = "amx_tile" in cpu and not os.environ.get("VERISPEC_NO_AMX")
     if "avx512f" in cpu and not os.environ.get("VERISPEC_NO_AVX512"):
         flags.append("-mavx512f")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import warnings
 from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -98,13 +97,9 @@ def stacked_linear(linears: list[nn.Module]) -> nn.Module:
 def native_bf16_products() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16): where it does not,
     bfloat16 products are emulated and slower than float32 ones. ``VERISPEC_NO_BF16=1`` says no."""
-    if os.environ.get("VERISPEC_NO_BF16"):
-        return False
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    from verispec.models.panel_linear import cpu_flags  # (it imports this module)
+
+    return not os.environ.get("VERISPEC_NO_BF16") and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 class MixedPrecisionLinear(nn.Linear):
@@ -113,8 +108,8 @@ class MixedPrecisionLinear(nn.Linear):
 
     For a drafter's layers that int8 would ruin (see :func:`~verispec.drafters.draft_vocab.resolve_head`).
     bfloat16 keeps 8 significant bits per element whatever its size, and where the CPU multiplies
-    bfloat16 natively it is 2-6x faster than float32 at every row count (EAGLE's fc, 3072 -> 1536 on
-    this Zen 4: 0.35 against 0.7 ms for one row, 0.4 against 0.8 s for a 16K-row catch-up). But
+    bfloat16 natively its products run at about twice float32's rate (EAGLE's fc, 3072 -> 1536, on
+    this Zen 4: 0.34 against 0.47 ms for one row, 0.75 against 1.5 ms for 3-4 rows). But
     PyTorch's CPU bfloat16 products come out rounded to bfloat16, which swallows inputs whose share
     of the sum is small beside the rest's: EAGLE's token embeddings (|x| ~0.02) beside the target's
     features (|x| up to ~36). Those columns (the first ``float32_columns``) multiply in float32.
