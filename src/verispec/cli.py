@@ -684,8 +684,8 @@ def _costs(args: argparse.Namespace) -> int:
         from verispec.drafters.eagle import EagleDrafter
 
         reduced = EagleDrafter(target, head_path)
-        prompt_ids = stdlib_text_ids(target.tokenizer, args.context + 1)[: args.context + 1] if target.tokenizer is not None else None
         if reduced.vocab_ids is not None:
+            prompt_ids = stdlib_text_ids(target.tokenizer, args.context + 1)[: args.context + 1] if target.tokenizer is not None else None
             quantized = EagleDrafter(target, head_path, quantize=True)
             for name, drafter in ((f"eagle, {len(reduced.vocab_ids)} vocab", reduced), (f"eagle int8, {len(reduced.vocab_ids)} vocab", quantized)):
                 table.add(name, eagle_costs, drafter, args.context, counts, args.repeats)

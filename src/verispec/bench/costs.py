@@ -171,8 +171,6 @@ def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repea
     (as the drafter makes it: keys/values of every position, a prediction for the last only).
     Features are random: the cost does not depend on their values.
     """
-    import torch
-
     from verispec.engine.kv_cache import LayerKVCache
 
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
@@ -202,8 +200,6 @@ def catch_up_cost(drafter, token_ids: list[int], repeats: int = 3) -> float:  # 
     feature-reading drafter pays once a request to read the prompt (the EAGLE head's catch-up).
     Features are random (the cost does not depend on their values); the tokens should be real
     text, since the head computes each distinct token's share of its input layer once."""
-    import torch
-
     from verispec.drafters.base import DraftContext
     from verispec.sampling import SamplingParams
 
@@ -228,8 +224,6 @@ def proposal_cost(drafter, context_tokens: int, num_drafts: int, repeats: int = 
     ``propose`` then drafts ``num_drafts`` tokens with nothing new to read: EAGLE's num_drafts - 1
     sequential head steps, or the parallel head's one block pass (+ its correction pass).
     """
-    import torch
-
     from verispec.drafters.base import DraftContext
     from verispec.sampling import SamplingParams
 
