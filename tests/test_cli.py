@@ -318,7 +318,20 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert main(["eagle", "eval", *common, "--set", "spec-bench", "--spec-bench", str(questions), "--num-prompts", "1", "--max-new-tokens", "6", "--teacher-forced"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[1:]] == ["math", "coding", "all"] and "1 prompts" in lines[1]
-    assert main([*evaluate, "--teacher-forced", "--draft-quantize", "int8"]) == 2  # the replay is of the head as trained
+    # With an int8 head, far memory or the long set the rounds are replayed through the drafter's own
+    # session on answers recorded through the engine's forward (exactness: test_eagle).
+    assert main([*evaluate, "--teacher-forced", "--draft-quantize", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "int8 head" in out and "through the drafter's session" in out and "tau" in out
+    long_eval = ["eagle", "eval", *common, "--set", "long", "--lengths", "300", "--num-prompts", "1", "--max-new-tokens", "6", "--gamma", "3", "--teacher-forced"]
+    assert main([*long_eval, "--draft-attention", "fold", "--local-window", "16", "--memory-weight", "0.5"]) == 0
+    out, err = capsys.readouterr()
+    assert "fold attention (W 16, T 1, λ 0.5)" in out and out.splitlines()[1].split()[:2] == ["long-300", "1"] and "ms a round" in out
+    assert "1 recorded there" in err
+    assert main([*long_eval, "--draft-attention", "local", "--local-window", "16"]) == 0
+    assert "1 read from" in capsys.readouterr().err  # the recorded answer serves every setting
+    assert main([*long_eval, "--lengths", "100"]) == 2
+    assert "--lengths" in capsys.readouterr().err
     # The default head path is where `eagle train` put it; generate and costs find it there.
     assert main(["generate", *common, "--drafter", "eagle", "--max-new-tokens", "8", "hello"]) == 0
     assert "8 tokens" in capsys.readouterr().err

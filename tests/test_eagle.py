@@ -607,6 +607,71 @@ def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_hea
     assert 0 in all_accepted and max(all_accepted) >= min(gamma, 2)  # the replay saw rejections and accepted runs
 
 
+@pytest.mark.parametrize(
+    "far_memory, quantize, gamma",
+    [(None, False, 3), (None, True, 5), (FarMemoryConfig("local", 4), False, 3), (FarMemoryConfig("fold", 4, 0.5, 2.0), False, 1), (FarMemoryConfig("fold", 6), True, 4)],
+)
+def test_session_replay_is_the_rounds_greedy_decoding_runs(target, trained_head, far_memory, quantize, gamma):
+    from verispec.bench.recordings import engine_greedy_answer
+    from verispec.drafters.eagle.acceptance import replay_session_rounds
+
+    drafter = EagleDrafter(target, trained_head, far_memory=far_memory, quantize=quantize)
+    decoder = SpeculativeDecoder(target, drafter, gamma=gamma)
+    all_accepted = []
+    for prompt in ([5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [90, 3]):
+        result = decoder.generate(prompt, 40, stop=[])
+        sequence, features = engine_greedy_answer(target, prompt, 40, stop_ids=set())
+        assert sequence.tolist() == prompt + result.token_ids  # the recorder decodes as plain greedy decoding does
+        assert features.shape == (len(sequence) - 1, target.config.hidden_size) and features.dtype == torch.float32
+        rounds = replay_session_rounds(drafter.start(prompt, SamplingParams()), sequence, features, len(prompt), gamma)
+        assert rounds == list(zip(result.stats.drafted_per_round, result.stats.accepted_per_round))
+        all_accepted += [accepted for _, accepted in rounds]
+    assert 0 in all_accepted and max(all_accepted) >= min(gamma, 2)  # the replay saw rejections and accepted runs
+
+
+def test_session_replay_refuses_bad_arguments(target, trained_head):
+    from verispec.bench.recordings import engine_greedy_answer
+    from verispec.drafters.eagle.acceptance import replay_session_rounds
+
+    sequence, features = engine_greedy_answer(target, [5, 6, 7], 8, stop_ids=set())
+    session = EagleDrafter(target, trained_head).start([5, 6, 7], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_length"):
+        replay_session_rounds(session, sequence, features, len(sequence), 3)  # no answer after the prompt
+    with pytest.raises(ValueError, match="gamma"):
+        replay_session_rounds(session, sequence, features, 3, 0)
+    with pytest.raises(ValueError, match="same length"):
+        replay_session_rounds(session, sequence, features[:-1], 3, 3)
+    with pytest.raises(ValueError, match="prompt of >= 2 tokens"):
+        engine_greedy_answer(target, [5], 8, stop_ids=set())
+    # A stop token ends the answer there (kept, never fed).
+    stop = int(sequence[5])
+    stopped, stopped_features = engine_greedy_answer(target, [5, 6, 7], 8, stop_ids={stop})
+    assert stopped.tolist() == sequence[:6].tolist() and len(stopped_features) == 5
+
+
+def test_engine_answers_are_recorded_once_and_read_back(target, tmp_path, monkeypatch):
+    import verispec.bench.recordings as recordings
+
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    prompts = [[5, 6, 7], [40, 41, 42, 43]]
+    fresh = list(recordings.recorded_engine_answers(loaded, prompts, 10, tmp_path))
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    for prompt, (sequence, features) in zip(prompts, fresh):
+        assert sequence.tolist()[: len(prompt)] == prompt and len(features) == len(sequence) - 1
+
+    def no_recording(*args, **kwargs):
+        raise AssertionError("recorded again")
+
+    monkeypatch.setattr(recordings, "engine_greedy_answer", no_recording)
+    again = list(recordings.recorded_engine_answers(loaded, prompts, 10, tmp_path))
+    for (sequence, features), (sequence_fresh, features_fresh) in zip(again, fresh):
+        assert torch.equal(sequence, sequence_fresh) and torch.equal(features, features_fresh)
+    with pytest.raises(AssertionError, match="recorded again"):  # another length limit is another answer
+        list(recordings.recorded_engine_answers(loaded, prompts, 6, tmp_path))
+    with pytest.raises(AssertionError, match="recorded again"):
+        list(recordings.recorded_engine_answers(loaded, prompts, 10, tmp_path, reuse=False))
+
+
 def test_replay_counts_only_drafts_the_target_would_choose(target, trained_head):
     from verispec.drafters.eagle.acceptance import accepted_from_every_start
 

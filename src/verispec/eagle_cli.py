@@ -54,8 +54,8 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
 
     def eval_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--head", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/head.safetensors, else the head bundled for the target)")
-        add_eval_prompt_options(sub, default_gamma=6)
-        sub.add_argument("--teacher-forced", action="store_true", help="instead of decoding each prompt with drafts, record the target's greedy answers in batches and replay greedy decoding on them (exact greedy tau and acceptance by position; minutes faster, no timing)")
+        add_eval_prompt_options(sub, default_gamma=6, long_set=True)
+        sub.add_argument("--teacher-forced", action="store_true", help="instead of decoding each prompt with drafts, record the target's greedy answers (kept in <cache>/eagle/<target>/recordings) and replay greedy decoding on them (exact greedy tau and acceptance by position; minutes faster, no timing). The head as trained on HumanEval/Spec-Bench: answers recorded in batches, all rounds from one unrolled pass; with --set long, far memory or int8: answers recorded one at a time through the engine's forward, rounds replayed through the drafter's own session")
         sub.add_argument("--draft-quantize", choices=["int8", "none"], default="none", help="int8: the head with int8 linears (default none)")
         from verispec.far_memory_cli import add_far_memory_options
 
@@ -89,11 +89,19 @@ def add_model_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
 
 
-def add_eval_prompt_options(sub: argparse.ArgumentParser, default_gamma: int) -> None:
-    """The prompts and lengths of a head's evaluation (`eagle eval`, `parallel eval`)."""
+def add_eval_prompt_options(sub: argparse.ArgumentParser, default_gamma: int, long_set: bool = False) -> None:
+    """The prompts and lengths of a head's evaluation (`eagle eval`, `parallel eval`); ``long_set``:
+    also the long-input set (`eagle eval`, whose session replay runs far memory on it)."""
     from verispec.bench.prompts import DEFAULT_SPEC_BENCH
 
-    sub.add_argument("--set", choices=["humaneval", "spec-bench"], default="humaneval", help="prompts: HumanEval problems (default) or Spec-Bench questions, with a line per category")
+    sets = ["humaneval", "spec-bench", *(["long"] if long_set else [])]
+    long_help = "; long: standard-library modules cut to --lengths tokens with a request at the end (bench --set long), one category per length" if long_set else ""
+    sub.add_argument("--set", choices=sets, default="humaneval", help=f"prompts: HumanEval problems (default) or Spec-Bench questions, with a line per category{long_help}")
+    if long_set:
+        from verispec.bench.long_context import LONG_SPLITS
+
+        sub.add_argument("--lengths", default="16384", metavar="N,M", help="--set long: prompt lengths in tokens, chat template included (default 16384)")
+        sub.add_argument("--split", choices=LONG_SPLITS, default="dev", help="--set long: dev (default: for choosing --local-window etc.) or eval modules, disjoint")
     sub.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
     sub.add_argument("--num-prompts", type=int, default=8, help="HumanEval prompts, or prompts per Spec-Bench category (default 8)")
     sub.add_argument("--first-prompt", type=int, default=0, help="index of the first HumanEval problem (default 0, as the bench; e.g. 100 for a dev range the bench never runs)")
@@ -247,20 +255,33 @@ def _eval(args: argparse.Namespace) -> int:
     from verispec.far_memory_cli import far_memory_from_args
 
     check_eval_prompt_options(args)
-    if args.teacher_forced and (args.draft_quantize != "none" or args.draft_attention != "full"):
-        raise ValueError("--teacher-forced replays the head as trained: use it without --draft-quantize int8 or far-memory attention")
     far_memory = far_memory_from_args(args)  # before minutes of loading
-    prompts = eval_prompts(args)
+    session_replay = args.teacher_forced and (args.set == "long" or args.draft_quantize != "none" or far_memory is not None)
+    if args.set == "long":
+        from verispec.bench.long_context import long_context_prompts, parse_lengths
+
+        lengths = parse_lengths(args.lengths)  # ValueError naming --lengths
+    prompts = eval_prompts(args) if args.set != "long" else None
     head_path = existing_head_path(args.head, args.target, args.cache_dir)
     target = load_target(args)
+    if prompts is None:  # cut to token lengths: needs the target's tokenizer
+        prompts = long_context_prompts(target.tokenizer, lengths, args.split, per_length=args.num_prompts)
     texts = [prompt.text for prompt in prompts]
-    if args.teacher_forced:
+    drafting_s = None
+    if session_replay:
+        rounds, drafting_s = _session_replayed_rounds(args, target, head_path, texts, far_memory)
+    elif args.teacher_forced:
         rounds = _replayed_rounds(args, target, head_path, texts)
     else:
         rounds = _decoded_rounds(args, target, head_path, texts, far_memory)
-    how = "replayed greedy decoding" if args.teacher_forced else "decoded"
-    print(f"{head_path.name}, gamma {args.gamma}, {args.max_new_tokens} new tokens, {how}:")
+    how = "replayed greedy decoding" + (" through the drafter's session" if session_replay else "") if args.teacher_forced else "decoded"
+    attention = f", {far_memory.mode} attention (W {far_memory.local_window}, T {far_memory.memory_temperature:g}, λ {far_memory.memory_weight:g})" if far_memory is not None else ""
+    quantized = ", int8 head" if args.draft_quantize != "none" else ""
+    print(f"{head_path.name}{quantized}{attention}, gamma {args.gamma}, {args.max_new_tokens} new tokens, {how}:")
     print_rounds_by_category(prompts, rounds)
+    if drafting_s is not None:  # the replay ran the head's real calls: their time is the drafting cost
+        num_rounds = sum(len(prompt_rounds) for prompt_rounds in rounds)
+        print(f"  drafting: {drafting_s:.1f} s over {num_rounds} rounds, {1000 * drafting_s / max(1, num_rounds):.1f} ms a round (the head's catch-up over each prompt included)")
     return 0
 
 
@@ -328,6 +349,33 @@ def _replayed_rounds(args: argparse.Namespace, target, head_path: Path, texts: l
         from_every_start = accepted_from_every_start(head, embed, lm_rows, vocab_ids, tokens, features, args.gamma, full_lm_head=lm_weight)
         rounds.append(replay_rounds(from_every_start, len(prompt) - 2, len(tokens) + 1, args.gamma))
     return rounds
+
+
+def _session_replayed_rounds(args: argparse.Namespace, target, head_path: Path, texts: list[str], far_memory) -> tuple[list[list[tuple[int, int]]], float]:  # noqa: ANN001
+    """((drafted, accepted) of each greedy round per text, seconds spent in the drafting sessions):
+    rounds replayed through the drafter's own session on the target's answers recorded through the
+    engine's forward (the target on the panel kernels where they run, as `bench` runs it: the
+    features the drafter sees in decoding)."""
+    import time
+
+    from verispec.bench.recordings import default_recordings_dir, recorded_engine_answers
+    from verispec.cli import _prepare_models
+    from verispec.drafters.eagle import EagleDrafter
+    from verispec.drafters.eagle.acceptance import replay_session_rounds
+    from verispec.models import encode_prompt
+    from verispec.sampling import SamplingParams
+
+    kernels = argparse.Namespace(target_kernels="panel", greedy_lm_head="screened", draft_quantize="none")
+    _prepare_models(kernels, target, None)
+    drafter = EagleDrafter(target, head_path, quantize=args.draft_quantize == "int8", far_memory=far_memory)
+    prompts = [encode_prompt(target.tokenizer, text) for text in texts]
+    directory = default_recordings_dir(args.target, args.cache_dir)
+    rounds, drafting_s = [], 0.0
+    for prompt, (sequence, features) in zip(prompts, recorded_engine_answers(target, prompts, args.max_new_tokens, directory, reuse=not args.rerecord)):
+        started = time.perf_counter()
+        rounds.append(replay_session_rounds(drafter.start(prompt, SamplingParams()), sequence, features, len(prompt), args.gamma))
+        drafting_s += time.perf_counter() - started
+    return rounds, drafting_s
 
 
 def answers_for_replay(args: argparse.Namespace, target, texts: list[str]):  # noqa: ANN001, ANN201 - a LoadedModel -> Iterator

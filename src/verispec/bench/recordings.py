@@ -8,6 +8,13 @@ fingerprint and the precision it ran in), the chat-templated prompt's ids and th
 limit — and a later evaluation (another head, other settings, or a run that was interrupted)
 records only the answers that are missing. Files are written atomically: an interrupted write
 leaves no file, never a partial one.
+
+Two recorders. :func:`recorded_answers` writes answers in batches through transformers' forward
+(fast for many short prompts). :func:`recorded_engine_answers` writes one prompt at a time through
+the forward the decoding engine runs (:func:`~verispec.engine.lean_lm.target_lm`: our kernels where
+the target runs them), in float32 — the very features a drafter receives in decoding, which a
+session replay (:func:`~verispec.drafters.eagle.acceptance.replay_session_rounds`) needs to be
+exact, and a batch of 16K-token prompts would not fit anyway. Their keys differ.
 """
 
 from __future__ import annotations
@@ -36,6 +43,12 @@ def answer_key(fingerprint: str, dtype: torch.dtype, max_new_tokens: int, prompt
     digest = hashlib.sha256(f"{fingerprint}|{dtype}|{max_new_tokens}|".encode())
     digest.update(torch.tensor(prompt, dtype=torch.int64).numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+def engine_answer_key(fingerprint: str, forward: str, dtype: torch.dtype, max_new_tokens: int, prompt: list[int]) -> str:
+    """:func:`answer_key` of an answer recorded through the engine's ``forward`` ("lean" or
+    "transformers": they round differently) — another recorder, another file."""
+    return answer_key(f"{fingerprint}|engine-{forward}", dtype, max_new_tokens, prompt)
 
 
 def load_answer(directory: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -108,5 +121,76 @@ def recorded_answers(
                 yield (prompts[index], *found[index])
     finally:
         progress.close()
+        if directory is not None:
+            print(f"answers: {read} read from {directory}, {recorded} recorded there", file=sys.stderr)
+
+
+@torch.inference_mode()
+def engine_greedy_answer(
+    model,  # noqa: ANN001 - a Hugging Face causal LM
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: set[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the decoded sequence, prompt then greedy answer # [n] long; the float32 features of every
+    fed token # [n-1, hidden]), run as the engine runs plain greedy decoding: one prefill pass over
+    the prompt but its last token, then one token a pass, the stop token kept (and never fed)."""
+    from verispec.engine.lean_lm import target_lm
+
+    if len(prompt) < 2 or max_new_tokens < 1:
+        raise ValueError(f"a recorded answer needs a prompt of >= 2 tokens and max_new_tokens >= 1, got {len(prompt)} and {max_new_tokens}")
+    lm = target_lm(model)
+    try:
+        features = [lm.extend(prompt[:-1], num_logits=0).features.float()]  # [len(prompt)-1, hidden]
+        sequence = list(prompt)
+        for _ in range(max_new_tokens):
+            step = lm.extend(sequence[-1:], num_logits=1, argmax_only=True)
+            features.append(step.features.float())
+            sequence.append(int(step.logits[-1].argmax()))
+            if sequence[-1] in stop_ids:
+                break
+    finally:
+        lm.release()
+    return torch.tensor(sequence), torch.cat(features)
+
+
+def recorded_engine_answers(
+    target,  # noqa: ANN001 - a LoadedModel
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    directory: Path | None = None,
+    *,
+    reuse: bool = True,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(decoded sequence # [n] long, features # [n-1, hidden]) per chat-templated prompt, in order:
+    :func:`engine_greedy_answer`, read from ``directory`` where recorded before (unless ``reuse`` is
+    False) and stored there when recorded (stored as the fed tokens, the features and the last token)."""
+    from tqdm import tqdm
+
+    from verispec.drafters.eagle.answers import stop_and_pad_ids
+    from verispec.drafters.eagle.checkpoint import target_fingerprint
+    from verispec.engine.lean_lm import target_runs_lean
+
+    stop_ids, _ = stop_and_pad_ids(target)
+    fingerprint, dtype = target_fingerprint(target.model), next(target.model.parameters()).dtype
+    forward = "lean" if target_runs_lean(target.model) else "transformers"
+    read = recorded = 0
+    try:
+        for prompt in tqdm(prompts, desc="answers", unit="answer", file=sys.stderr):
+            key = engine_answer_key(fingerprint, forward, dtype, max_new_tokens, prompt)
+            path = directory / f"{key}.safetensors" if directory is not None else None
+            if path is not None and reuse and path.is_file():
+                tensors = load_file(path)
+                read += 1
+                yield torch.cat((tensors["tokens"], tensors["last_token"])), tensors["features"]
+                continue
+            sequence, features = engine_greedy_answer(target.model, prompt, max_new_tokens, stop_ids)
+            recorded += 1
+            if directory is not None:
+                from verispec.drafters.eagle.checkpoint import write_atomically
+
+                write_atomically(path, {"tokens": sequence[:-1].contiguous(), "features": features.contiguous(), "last_token": sequence[-1:].contiguous()})
+            yield sequence, features
+    finally:
         if directory is not None:
             print(f"answers: {read} read from {directory}, {recorded} recorded there", file=sys.stderr)

@@ -15,6 +15,11 @@ write; on the target's greedy answers it always is). :func:`replay_rounds` then 
 rounds greedy decoding would run from the start of an answer: each round emits accepted + 1
 tokens (the bonus included), exactly the engine's tokens per target call, in seconds instead of
 minutes per prompt.
+
+That shortcut runs the head as trained (uncached, full attention). :func:`replay_session_rounds`
+replays the same greedy rounds through a drafter's own cached session instead — any far-memory
+mode, an int8 head, any prompt length — at the cost of its real head calls (at 16K tokens: the
+catch-up over the prompt, then a few milliseconds a call), still without any target pass.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from verispec.drafters.base import DraftContext, DraftSession
 from verispec.drafters.eagle.head import EagleHead
 
 
@@ -139,4 +145,52 @@ def replay_rounds(
         num_accepted = min(int(accepted[row]), num_drafted) if num_drafted else 0
         rounds.append((num_drafted, num_accepted))
         row += num_accepted + 1
+    return rounds
+
+
+def replay_session_rounds(
+    session: DraftSession,
+    sequence: torch.Tensor,  # [n] int64: the decoded sequence, the prompt then the target's greedy answer
+    features: torch.Tensor,  # [n-1, hidden]: the target's features of every fed token (all but the last)
+    prompt_length: int,
+    gamma: int,
+) -> list[tuple[int, int]]:
+    """(drafted, accepted) of each round greedy decoding runs over a recorded answer, asked of a
+    feature-reading drafter's own session exactly as the engine asks it (:class:`SpeculativeDecoder`).
+
+    Greedy verification accepts draft k iff drafts 1..k-1 were accepted and it is the target's
+    token there — on the target's recorded greedy answer, the answer's token — so the target need
+    not run: each round hands the session the features of the positions committed since its last
+    round (after the prompt's prefill: positions 0..prompt_length-2), takes its drafts, accepts
+    their longest prefix that equals the answer and commits that plus one token. Like the engine, a
+    round drafts at most gamma and never what it could not emit before the answer's end. The
+    session is closed before returning. Exact for any drafter whose greedy drafts depend only on
+    the committed tokens and features (EAGLE with or without far memory, int8 or not).
+    """
+    check_recorded_text(sequence[:-1], features, gamma)
+    if not 1 <= prompt_length < len(sequence):
+        raise ValueError(f"prompt_length must be in [1, {len(sequence) - 1}] (an answer follows the prompt), got {prompt_length}")
+    tokens = sequence.tolist()
+    generator = torch.Generator().manual_seed(0)  # greedy drafting draws nothing; the protocol takes one
+    rounds: list[tuple[int, int]] = []
+    committed, handed = prompt_length, 0  # committed tokens; features handed to the session (positions 0..handed-1)
+    try:
+        while committed < len(tokens):
+            num_draft = min(gamma, len(tokens) - committed - 1)
+            drafts: list[int] = []
+            if num_draft > 0:
+                known = committed - 1  # the target's cache holds every committed token but the last
+                fresh = features[handed:known] if known > handed else None  # [m, hidden]
+                context = DraftContext(tokens[:committed], fresh, handed) if fresh is not None else DraftContext(tokens[:committed])
+                handed = max(handed, known)
+                drafts = session.propose(context, num_draft, generator).tokens
+                if len(drafts) > num_draft:
+                    raise RuntimeError(f"the session proposed {len(drafts)} tokens, asked for at most {num_draft}")
+            num_accepted = 0
+            while num_accepted < len(drafts) and drafts[num_accepted] == tokens[committed + num_accepted]:
+                num_accepted += 1
+            rounds.append((len(drafts), num_accepted))
+            committed += num_accepted + 1
+    finally:
+        session.close()
     return rounds
