@@ -330,8 +330,9 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert "1 recorded there" in err
     assert main([*long_eval, "--draft-attention", "local", "--local-window", "16"]) == 0
     assert "1 read from" in capsys.readouterr().err  # the recorded answer serves every setting
-    assert main([*long_eval, "--lengths", "100"]) == 2
-    assert "--lengths" in capsys.readouterr().err
+    for bad, named in ((["--lengths", "100"], "--lengths"), (["--first-prompt", "2"], "--first-prompt")):
+        assert main([*long_eval, *bad]) == 2
+        assert named in capsys.readouterr().err
     # The default head path is where `eagle train` put it; generate and costs find it there.
     assert main(["generate", *common, "--drafter", "eagle", "--max-new-tokens", "8", "hello"]) == 0
     assert "8 tokens" in capsys.readouterr().err

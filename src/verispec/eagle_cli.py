@@ -103,7 +103,8 @@ def add_eval_prompt_options(sub: argparse.ArgumentParser, default_gamma: int, lo
         sub.add_argument("--lengths", default="16384", metavar="N,M", help="--set long: prompt lengths in tokens, chat template included (default 16384)")
         sub.add_argument("--split", choices=LONG_SPLITS, default="dev", help="--set long: dev (default: for choosing --local-window etc.) or eval modules, disjoint")
     sub.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
-    sub.add_argument("--num-prompts", type=int, default=8, help="HumanEval prompts, or prompts per Spec-Bench category (default 8)")
+    per_length = ", or modules per length (--set long)" if long_set else ""
+    sub.add_argument("--num-prompts", type=int, default=8, help=f"HumanEval prompts, or prompts per Spec-Bench category{per_length} (default 8)")
     sub.add_argument("--first-prompt", type=int, default=0, help="index of the first HumanEval problem (default 0, as the bench; e.g. 100 for a dev range the bench never runs)")
     sub.add_argument("--gamma", type=int, default=default_gamma, help=f"drafts per round (default {default_gamma})")
     sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
@@ -261,6 +262,8 @@ def _eval(args: argparse.Namespace) -> int:
         from verispec.bench.long_context import long_context_prompts, parse_lengths
 
         lengths = parse_lengths(args.lengths)  # ValueError naming --lengths
+        if args.first_prompt:
+            raise ValueError("--first-prompt applies to --set humaneval; --set long takes the first --num-prompts modules of --split")
     prompts = eval_prompts(args) if args.set != "long" else None
     head_path = existing_head_path(args.head, args.target, args.cache_dir)
     target = load_target(args)
