@@ -175,8 +175,11 @@ def recorded_engine_answers(
     fingerprint, dtype = target_fingerprint(target.model), next(target.model.parameters()).dtype
     forward = "lean" if target_runs_lean(target.model) else "transformers"
     read = recorded = 0
+    progress = tqdm(prompts, desc="answers", unit="answer", file=sys.stderr)
     try:
-        for prompt in tqdm(prompts, desc="answers", unit="answer", file=sys.stderr):
+        for prompt in progress:
+            # A long prompt's prefill is one pass of minutes (16K tokens: ~10 here): say what runs.
+            progress.set_postfix_str(f"{len(prompt)}-token prompt")
             key = engine_answer_key(fingerprint, forward, dtype, max_new_tokens, prompt)
             path = directory / f"{key}.safetensors" if directory is not None else None
             if path is not None and reuse and path.is_file():
@@ -192,5 +195,6 @@ def recorded_engine_answers(
                 write_atomically(path, {"tokens": sequence[:-1].contiguous(), "features": features.contiguous(), "last_token": sequence[-1:].contiguous()})
             yield sequence, features
     finally:
+        progress.close()
         if directory is not None:
             print(f"answers: {read} read from {directory}, {recorded} recorded there", file=sys.stderr)
