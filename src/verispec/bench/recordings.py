@@ -51,13 +51,22 @@ def engine_answer_key(fingerprint: str, forward: str, dtype: torch.dtype, max_ne
     return answer_key(f"{fingerprint}|engine-{forward}", dtype, max_new_tokens, prompt)
 
 
+def _read_answer(directory: Path, key: str) -> dict[str, torch.Tensor] | None:
+    path = directory / f"{key}.safetensors"
+    return load_file(path) if path.is_file() else None
+
+
 def load_answer(directory: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(fed tokens # [n], their features # [n, hidden]) stored under ``key``, or None if there is none."""
-    path = directory / f"{key}.safetensors"
-    if not path.is_file():
-        return None
-    tensors = load_file(path)
-    return tensors["tokens"], tensors["features"]
+    tensors = _read_answer(directory, key)
+    return (tensors["tokens"], tensors["features"]) if tensors is not None else None
+
+
+def load_decoded_answer(directory: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the decoded sequence # [n+1]: the fed tokens then the last, emitted token; the fed tokens'
+    features # [n, hidden]) stored with ``last_token`` under ``key``, or None if there is none."""
+    tensors = _read_answer(directory, key)
+    return (torch.cat((tensors["tokens"], tensors["last_token"])), tensors["features"]) if tensors is not None else None
 
 
 def save_answer(
@@ -65,10 +74,13 @@ def save_answer(
     key: str,
     tokens: torch.Tensor,  # [n] int64: prompt and answer as fed to the target
     features: torch.Tensor,  # [n, hidden]: the target's top-layer features at those positions
+    last_token: int | None = None,  # the answer's last token (emitted, never fed), for load_decoded_answer
 ) -> Path:
     from verispec.drafters.eagle.checkpoint import write_atomically
 
     tensors = {"tokens": tokens.to(torch.int64).contiguous(), "features": features.contiguous()}
+    if last_token is not None:
+        tensors["last_token"] = torch.tensor([last_token], dtype=torch.int64)
     return write_atomically(directory / f"{key}.safetensors", tensors)  # a reader sees the whole file or none
 
 
@@ -181,18 +193,15 @@ def recorded_engine_answers(
             # A long prompt's prefill is one pass of minutes (16K tokens: ~10 here): say what runs.
             progress.set_postfix_str(f"{len(prompt)}-token prompt")
             key = engine_answer_key(fingerprint, forward, dtype, max_new_tokens, prompt)
-            path = directory / f"{key}.safetensors" if directory is not None else None
-            if path is not None and reuse and path.is_file():
-                tensors = load_file(path)
+            found = load_decoded_answer(directory, key) if directory is not None and reuse else None
+            if found is not None:
                 read += 1
-                yield torch.cat((tensors["tokens"], tensors["last_token"])), tensors["features"]
+                yield found
                 continue
             sequence, features = engine_greedy_answer(target.model, prompt, max_new_tokens, stop_ids)
             recorded += 1
             if directory is not None:
-                from verispec.drafters.eagle.checkpoint import write_atomically
-
-                write_atomically(path, {"tokens": sequence[:-1].contiguous(), "features": features.contiguous(), "last_token": sequence[-1:].contiguous()})
+                save_answer(directory, key, sequence[:-1], features, last_token=int(sequence[-1]))
             yield sequence, features
     finally:
         progress.close()

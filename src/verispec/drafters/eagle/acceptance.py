@@ -182,7 +182,7 @@ def replay_session_rounds(
                 known = committed - 1  # the target's cache holds every committed token but the last
                 fresh = features[handed:known] if known > handed else None  # [m, hidden]
                 context = DraftContext(tokens[:committed], fresh, handed) if fresh is not None else DraftContext(tokens[:committed])
-                handed = max(handed, known)
+                handed = known
                 drafts = session.propose(context, num_draft, generator).tokens
                 if len(drafts) > num_draft:
                     raise RuntimeError(f"the session proposed {len(drafts)} tokens, asked for at most {num_draft}")
