@@ -360,6 +360,12 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     assert "eagle, 50 vocab" in out and "eagle int8, 50 vocab" in out and "eagle, full vocab" in out
     for name in ("eagle, 50 vocab", "eagle int8, 50 vocab"):  # what reading a prompt costs each head once a request
         assert re.search(rf"^{re.escape(name)}: catch-up over a 8-token prompt of standard-library code \(a request's first draft\): \d+ ms$", out, re.MULTILINE)
+    assert "local W" not in out  # 8 tokens: within the window every far-memory setting is the trained attention
+    # Past the window the int8 head is also timed with a local window and with far memory.
+    assert main(["costs", *common, "--draft", "none", "--context", "300", "--tokens", "1", "--repeats", "1", "--context-fill", "random"]) == 0
+    out = capsys.readouterr().out
+    for name in ("eagle int8, local W 256", "eagle int8, fold W 256"):
+        assert re.search(rf"^{re.escape(name)} .*\d", out, re.MULTILINE) and f"{name}: catch-up over a 300-token prompt" in out
     # A rejection attack searched against the EAGLE head (the default head again).
     attack = ["attack", *common, "--surrogate", "eagle", "--prompt", "hello world", "--suffix-tokens", "2", "--steps", "1",
               "--candidates", "1", "--continuation-tokens", "3", "--search-only", "--out", str(tmp_path / "attack")]  # fmt: skip

@@ -9,7 +9,7 @@ from tiny_models import tiny_target
 from verispec import SpeculativeDecoder
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from verispec.engine.kv_cache import LayerKVCache
-from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, assigned_key_positions, far_memory_attention, far_memory_prefix_attention
+from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, assigned_key_positions, far_memory_attention, far_memory_prefix_attention, low_precision_memory
 from verispec.drafters.shared_prefix import shared_prefix_attention
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 
@@ -141,6 +141,73 @@ def test_blocks_of_rows_give_the_same_result_as_one_block(monkeypatch):
     torch.testing.assert_close(far_memory_attention(query, keys, values, 4, INV_FREQ, config), whole, atol=1e-6, rtol=1e-6)
 
 
+# --- the far memory read in bfloat16 ------------------------------------------------------------------
+
+
+def test_low_precision_copies_follow_appends_crops_and_row_copies():
+    generator = torch.Generator().manual_seed(5)
+    cache = LayerKVCache()
+
+    def rows(n):
+        return torch.randn(2, n, HEAD_DIM, generator=generator), torch.randn(2, n, HEAD_DIM, generator=generator)
+
+    def assert_copies_match(end):
+        low_keys, low_values = cache.low_precision(end)
+        assert low_keys.dtype == torch.bfloat16 and low_keys.shape == (2, end, HEAD_DIM)
+        assert torch.equal(low_keys, cache.keys[:, :end].bfloat16()) and torch.equal(low_values, cache.values[:, :end].bfloat16())
+
+    cache.append(*rows(10))
+    assert_copies_match(7)
+    cache.crop(4)  # a rejected round: positions 4.. are written anew
+    cache.append(*rows(6))
+    assert_copies_match(9)  # the copies of 4..6 made before the crop must not survive it
+    cache.copy_row(8, 2)  # a kept tree branch moves its row down
+    assert_copies_match(10)
+    cache.append(*rows(600))  # the buffers grow past their first capacity
+    assert_copies_match(610)
+    assert_copies_match(3)
+    with pytest.raises(ValueError, match="low_precision end"):
+        cache.low_precision(611)
+    with pytest.raises(ValueError, match="copy_row positions"):
+        cache.copy_row(610, 2)
+
+
+@pytest.mark.parametrize("start, num_rows", [(40, 1), (0, 48), (30, 6)])
+def test_a_bfloat16_memory_is_the_float32_attention_up_to_rounding(start, num_rows):
+    config = FarMemoryConfig("fold", local_window=5, memory_temperature=0.8, memory_weight=1.5)
+    query, keys, values = random_qkv(num_rows, start + num_rows, seed=4)
+    exact = far_memory_attention(query, keys, values, start, INV_FREQ, config)
+    memory = (keys.bfloat16(), values.bfloat16())
+    rounded = far_memory_attention(query, keys, values, start, INV_FREQ, config, memory)
+    torch.testing.assert_close(rounded, exact, atol=3e-2, rtol=3e-2)
+    # The memory's values come from the copies: zero them there and in the float32 keys' memory rows alike.
+    last = start + num_rows - 1
+    memory_rows = slice(0, last - config.local_window + 1)
+    zeroed = values.clone()
+    zeroed[:, memory_rows] = 0
+    without = far_memory_attention(query[:, -1:], keys, zeroed, last, INV_FREQ, config)
+    got = far_memory_attention(query[:, -1:], keys, values, last, INV_FREQ, config, (keys.bfloat16(), zeroed.bfloat16()))
+    torch.testing.assert_close(got, without, atol=3e-2, rtol=3e-2)
+    assert not torch.allclose(without, exact[:, -1:], atol=3e-2)
+
+
+def test_a_long_fold_memory_is_read_in_bfloat16_only_where_it_pays(monkeypatch):
+    import verispec.drafters.far_memory as far_memory
+
+    cache = LayerKVCache()
+    cache.append(torch.randn(2, 40, HEAD_DIM), torch.randn(2, 40, HEAD_DIM))
+    fold = FarMemoryConfig("fold", local_window=8)
+    monkeypatch.setattr(far_memory, "LOW_PRECISION_MEMORY_FROM", 32)
+    monkeypatch.setattr(far_memory, "native_bf16_products", lambda: True)
+    low_keys, low_values = low_precision_memory(cache, 40, fold)  # keys 0..31 are memory for the row at 39
+    assert low_keys.shape == (2, 32, HEAD_DIM) and low_values.dtype == torch.bfloat16
+    assert low_precision_memory(cache, 39, fold) is None  # 31 memory keys: float32
+    assert low_precision_memory(cache, 40, FarMemoryConfig("local", local_window=8)) is None  # no memory at all
+    assert low_precision_memory(cache, 40, None) is None
+    monkeypatch.setattr(far_memory, "native_bf16_products", lambda: False)  # emulated bfloat16 is slower than float32
+    assert low_precision_memory(cache, 40, fold) is None
+
+
 @pytest.mark.parametrize(
     "kwargs, option",
     [
@@ -252,6 +319,22 @@ def test_greedy_decode_with_far_memory_is_token_identical_to_plain(target, mode)
         assert all(1 <= accepted + 1 <= 4 for accepted in result.stats.accepted_per_round)  # 1..gamma+1 tokens a call
 
 
+def test_greedy_decode_with_a_bfloat16_memory_is_token_identical_to_plain(target, monkeypatch):
+    import verispec.drafters.far_memory as far_memory
+
+    monkeypatch.setattr(far_memory, "LOW_PRECISION_MEMORY_FROM", 1)
+    monkeypatch.setattr(far_memory, "native_bf16_products", lambda: True)
+    reads = []
+    original = LayerKVCache.low_precision
+    monkeypatch.setattr(LayerKVCache, "low_precision", lambda cache, end, *args: reads.append(end) or original(cache, end, *args))
+    config = FarMemoryConfig("fold", local_window=4)
+    eagle = SpeculativeDecoder(target, EagleDrafter(target, fresh_head(target), far_memory=config), gamma=3)
+    prompt = list(range(20, 50))
+    result = eagle.generate(prompt, 24, stop=[])
+    assert result.token_ids == SpeculativeDecoder(target).generate(prompt, 24, stop=[]).token_ids
+    assert len(reads) > 10 and max(reads) > len(prompt)  # the catch-up and the draft steps read the copies
+
+
 def test_a_local_window_catch_up_computes_only_the_rows_later_calls_can_see(target):
     from verispec.drafters.base import DraftContext
     from verispec.sampling import SamplingParams
@@ -273,6 +356,48 @@ def test_a_local_window_catch_up_computes_only_the_rows_later_calls_can_see(targ
     torch.testing.assert_close(skipping.next_feature, every_row.next_feature)
     # Fold (and full) attention read every older row: nothing is skipped there.
     assert EagleDrafter(target, fresh_head(target), far_memory=FarMemoryConfig("fold", local_window=4)).start(prompt, SamplingParams())._never_read(29) == 0
+
+
+def test_auto_is_the_trained_attention_up_to_the_training_length_and_fold_beyond():
+    from verispec.drafters.far_memory import AUTO_WINDOW_AFTER
+
+    auto = FarMemoryConfig("auto", local_window=8, memory_temperature=0.7, memory_weight=2.0)
+    assert AUTO_WINDOW_AFTER == 1024  # the heads' max_seq_len
+    assert auto.for_prompt(AUTO_WINDOW_AFTER) is None
+    assert auto.for_prompt(AUTO_WINDOW_AFTER + 1) == FarMemoryConfig("local", 8, 0.7, 2.0)
+    assert FarMemoryConfig("local", 8).for_prompt(5) == FarMemoryConfig("local", 8) and FarMemoryConfig("full").for_prompt(5000) is None
+    query, keys, values = random_qkv(1, 10)
+    with pytest.raises(ValueError, match="decided per request"):
+        far_memory_attention(query, keys, values, 9, INV_FREQ, auto)
+    with pytest.raises(ValueError, match="decided per request"):
+        rows = FarMemoryRows(auto, torch.tensor([[9]]), INV_FREQ)
+        far_memory_prefix_attention(query[None], (keys[None, :, :9], values[None, :, :9]), None, (keys[None, :, 9:], values[None, :, 9:]), False, rows)
+
+
+def test_an_auto_session_drafts_as_trained_on_short_prompts_and_with_a_local_window_on_long_ones(target, monkeypatch):
+    import verispec.drafters.far_memory as far_memory
+    from verispec.drafters.base import DraftContext
+    from verispec.sampling import SamplingParams
+
+    monkeypatch.setattr(far_memory, "AUTO_WINDOW_AFTER", 12)
+    head = fresh_head(target)
+    local = FarMemoryConfig("local", local_window=4, memory_temperature=0.5, memory_weight=2.0)
+    drafters = {mode: EagleDrafter(target, head, far_memory=config) for mode, config in [("auto", FarMemoryConfig("auto", 4, 0.5, 2.0)), ("full", None), ("local", local)]}
+
+    def head_state(mode, prompt):
+        session = drafters[mode].start(prompt, SamplingParams())
+        session.propose(DraftContext(prompt, features[: len(prompt) - 1], 0), 3, torch.Generator())
+        return session.far_memory, session.next_feature
+
+    features = torch.randn(40, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    short, long = list(range(20, 32)), list(range(20, 50))  # 12 and 30 tokens
+    assert head_state("auto", short)[0] is None
+    assert torch.equal(head_state("auto", short)[1], head_state("full", short)[1])
+    resolved, feature = head_state("auto", long)
+    assert resolved == local and torch.equal(feature, head_state("local", long)[1])
+    assert not torch.allclose(feature, head_state("full", long)[1], atol=1e-4)  # the window does change this prompt's drafts
+    plain = SpeculativeDecoder(target).generate(long, 16, stop=[]).token_ids
+    assert SpeculativeDecoder(target, drafters["auto"], gamma=3).generate(long, 16, stop=[]).token_ids == plain
 
 
 def test_bench_methods_pick_the_mode_and_keep_the_window_temperature_and_weight(target):
@@ -365,6 +490,20 @@ def test_far_memory_option_errors_name_the_option(tiny_gguf, capsys, options, me
     assert main(["generate", "--target", tiny_gguf, "--drafter", "eagle", *options, "x"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_serving_commands_default_to_auto_and_eagle_eval_to_the_trained_attention(tiny_gguf, capsys):
+    from verispec.cli import _build_parser, main
+    from verispec.far_memory_cli import far_memory_from_args
+
+    parser = _build_parser()
+    for command in ("generate", "compare", "serve"):
+        args = parser.parse_args([command, "--local-window", "64", *(["x"] if command != "serve" else [])])
+        assert far_memory_from_args(args) == FarMemoryConfig("auto", 64)
+    assert far_memory_from_args(parser.parse_args(["eagle", "eval"])) is None  # measures the head as trained unless asked
+    # The default is harmless where no head drafts; only an explicit local/fold is refused there.
+    assert main(["generate", "--target", tiny_gguf, "--drafter", "ngram", "--max-new-tokens", "4", "x"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

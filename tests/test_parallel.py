@@ -701,20 +701,32 @@ def test_parallel_head_blocks_with_far_memory(target):
 
 
 @pytest.mark.parametrize("correction", [False, True, "eagle"])
-def test_greedy_output_is_token_identical_with_far_memory(target, trained_head, correction):
+def test_greedy_output_is_token_identical_with_far_memory(target, trained_head, correction, monkeypatch):
+    import verispec.drafters.far_memory as far_memory
     from verispec.drafters.far_memory import FarMemoryConfig
 
+    monkeypatch.setattr(far_memory, "AUTO_WINDOW_AFTER", 12)  # "auto": the 3-token prompt as trained, the 30-token one with a local window
     plain = SpeculativeDecoder(target)
     covering = SpeculativeDecoder(target, _anchored_drafter(target, trained_head, correction, FarMemoryConfig("fold", local_window=200)), gamma=3)
     as_trained = SpeculativeDecoder(target, _anchored_drafter(target, trained_head, correction, None), gamma=3)
-    for mode in ("fold", "local"):
+    for mode in ("fold", "local", "auto"):
         drafter = _anchored_drafter(target, trained_head, correction, FarMemoryConfig(mode, local_window=4, memory_temperature=0.5, memory_weight=2.0))
         decoder = SpeculativeDecoder(target, drafter, gamma=3)
         for prompt in ([7, 14, 21], [(7 * 5 + k) % VOCAB for k in range(30)]):
+            expected_mode = {"auto": "local" if len(prompt) > 12 else None}.get(mode, mode)
+            assert getattr(drafter.start(prompt, SamplingParams()).far_memory, "mode", None) == expected_mode
             result = decoder.generate(prompt, 24, stop=[])
             assert result.token_ids == plain.generate(prompt, 24, stop=[]).token_ids
             assert sum(result.stats.drafted_per_round) > 0
             assert all(1 <= accepted + 1 <= 4 for accepted in result.stats.accepted_per_round)  # 1..gamma+1 tokens a call
+    # "auto" on the long prompt drafts as the local window does (which differs from the trained attention there).
+    long_prompt = [(7 * 5 + k) % VOCAB for k in range(30)]
+
+    def rounds_of(far):
+        result = SpeculativeDecoder(target, _anchored_drafter(target, trained_head, correction, far), gamma=3).generate(long_prompt, 24, stop=[])
+        return result.stats.drafted_per_round, result.stats.accepted_per_round
+
+    assert rounds_of(FarMemoryConfig("auto", 4, 0.5, 2.0)) == rounds_of(FarMemoryConfig("local", 4, 0.5, 2.0)) != rounds_of(None)
     # A window covering the whole text drafts as trained: the same rounds.
     prompt = [(7 * 3 + k) % VOCAB for k in range(20)]
     rounds = [(r.stats.drafted_per_round, r.stats.accepted_per_round) for r in (d.generate(prompt, 24, stop=[]) for d in (covering, as_trained))]

@@ -138,7 +138,7 @@ def _check_model_options(args: argparse.Namespace) -> None:
         from verispec.far_memory_cli import far_memory_from_args
 
         far_memory_from_args(args, None if hasattr(args, "draft_attention") else "fold")  # raises naming the bad option
-        if getattr(args, "draft_attention", "full") != "full" and args.drafter not in (*EAGLE_DRAFTERS, "parallel"):
+        if getattr(args, "draft_attention", "full") not in ("full", "auto") and args.drafter not in (*EAGLE_DRAFTERS, "parallel"):
             raise ValueError(f"--draft-attention {args.draft_attention} changes a drafting head's attention: it needs --drafter eagle, ngram+eagle or parallel")
 
 
@@ -682,17 +682,22 @@ def _costs(args: argparse.Namespace) -> int:
     if head_path is not None:
         from verispec.bench.costs import catch_up_cost, eagle_costs
         from verispec.drafters.eagle import EagleDrafter
+        from verispec.drafters.far_memory import FarMemoryConfig
 
         reduced = EagleDrafter(target, head_path)
         if reduced.vocab_ids is not None:
             prompt_ids = stdlib_text_ids(target.tokenizer, args.context + 1)[: args.context + 1] if target.tokenizer is not None else None
             quantized = EagleDrafter(target, head_path, quantize=True)
-            for name, drafter in ((f"eagle, {len(reduced.vocab_ids)} vocab", reduced), (f"eagle int8, {len(reduced.vocab_ids)} vocab", quantized)):
+            heads = [(f"eagle, {len(reduced.vocab_ids)} vocab", reduced), (f"eagle int8, {len(reduced.vocab_ids)} vocab", quantized)]
+            window = FarMemoryConfig().local_window
+            if args.context > window:  # past the window the head's far-memory settings attend differently (Long context)
+                heads += [(f"eagle int8, {mode} W {window}", EagleDrafter(target, head_path, quantize=True, far_memory=FarMemoryConfig(mode))) for mode in ("local", "fold")]
+            for name, drafter in heads:
                 table.add(name, eagle_costs, drafter, args.context, counts, args.repeats)
                 if prompt_ids is not None:
                     catch_ups[name] = catch_up_cost(drafter, prompt_ids, args.repeats)
                     print(f"costs: {name}: catch-up over a {args.context}-token prompt: {catch_ups[name] * 1000:.0f} ms", file=sys.stderr, flush=True)
-            del quantized
+            del quantized, heads
         table.add("eagle, full vocab", eagle_costs, EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
     if parallel_head is not None and args.context_fill == "prefill":

@@ -59,7 +59,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--draft-quantize", choices=["int8", "none"], default="none", help="int8: the head with int8 linears (default none)")
         from verispec.far_memory_cli import add_far_memory_options
 
-        add_far_memory_options(sub)
+        add_far_memory_options(sub, default_mode="full")  # a measurement: the head as trained unless asked
 
     steps_table = (
         ("extract", "run the frozen target over the standard-library corpus; save (tokens, features) shards; resumable", _extract, (dtype_option, sequence_options, extract_options)),

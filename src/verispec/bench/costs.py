@@ -168,7 +168,8 @@ def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repea
     """Median seconds of one EAGLE head call over ``n`` positions plus the draft logits of the last one.
 
     n = 1 is one draft step; larger n is the catch-up call after a round accepted n - 1 drafts
-    (as the drafter makes it: keys/values of every position, a prediction for the last only).
+    (as the drafter makes it: keys/values of every position, a prediction for the last only),
+    attending as the drafter's sessions would over a ``context_tokens`` prompt (its far memory).
     Features are random: the cost does not depend on their values.
     """
     from verispec.engine.kv_cache import LayerKVCache
@@ -176,18 +177,19 @@ def eagle_costs(drafter, context_tokens: int, new_token_counts: list[int], repea
     if context_tokens < 1 or repeats < 1 or not new_token_counts or min(new_token_counts) < 1:
         raise ValueError("context_tokens, repeats and every new-token count must be >= 1")
     head, hidden = drafter.head, drafter.head.config.hidden_size
+    far_memory = drafter.far_memory.for_prompt(context_tokens) if drafter.far_memory is not None else None
     generator = torch.Generator().manual_seed(0)
     cache = LayerKVCache()
     costs = []
     with torch.inference_mode():
-        head(torch.randn(1, context_tokens, hidden, generator=generator), torch.randn(1, context_tokens, hidden, generator=generator), 0, cache, last_only=True)
+        head(torch.randn(1, context_tokens, hidden, generator=generator), torch.randn(1, context_tokens, hidden, generator=generator), 0, cache, far_memory=far_memory, last_only=True)
         for count in new_token_counts:
             features = torch.randn(1, count, hidden, generator=generator)
             ids = torch.arange(count)[None] % drafter.vocab_size
             times = []
             for _ in range(repeats + 1):  # the first is a warm-up
                 started = time.perf_counter()
-                predicted = head(features, drafter.embed(ids).float(), context_tokens, cache, last_only=True)
+                predicted = head(features, drafter.embed(ids).float(), context_tokens, cache, far_memory=far_memory, last_only=True)
                 drafter.draft_logits(predicted[0, -1:]).argmax()
                 times.append(time.perf_counter() - started)
                 cache.crop(context_tokens)

@@ -18,21 +18,34 @@ window. With ℓ_s = q·k_s/√d at the assigned positions, one softmax over bot
 equivalently out = (Z_loc·o_loc + λ·Z_mem·o_mem) / (Z_loc + λ·Z_mem), o_x the softmax average of
 the values within part x and Z_x its normaliser. λ = T = 1 with W >= length is plain attention.
 
-Only drafters use this: the target's attention is never changed, so decoding stays exact.
+Only drafters use this: the target's attention is never changed, so decoding stays exact. For the
+same reason a long memory may be read in bfloat16 (:func:`low_precision_memory`): rounding changes
+the drafts a little, never the output.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from verispec.models.quantize import native_bf16_products
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 
-ATTENTION_MODES = ("full", "local", "fold")
+ATTENTION_MODES = ("full", "local", "fold", "auto")
+# "auto": our heads were trained on sequences of at most this many tokens (``max_seq_len``); a
+# shorter prompt gets the attention as trained, a longer one the local window ("local"): at 8K and
+# 16K tokens it was the fastest setting in every bench run on this project's CPUs (README, Long
+# context) — far memory drafts a little better there but its memory costs more than that saves.
+AUTO_WINDOW_AFTER = 1024
 # Logit elements computed at once in the blocked attention: bounds memory on long catch-ups (~64 MB).
 _BLOCK_ELEMENTS = 1 << 24
+# From this many memory keys on, a head step reads the memory in bfloat16 where the CPU multiplies
+# it natively: one query row's two memory products (12 heads over 2 KV heads) took 0.64 ms against
+# 1.7 ms in float32 over 16K keys on a Zen 4 (2 threads), 0.34 against 0.54 ms over 8K, 0.19
+# against 0.27 over 4K; at 1K they tie and below it float32 is faster.
+LOW_PRECISION_MEMORY_FROM = 4096
 
 
 @dataclass(frozen=True)
@@ -40,7 +53,9 @@ class FarMemoryConfig:
     """How a drafter attends over a long context.
 
     ``mode``: "full" attends at true positions everywhere (as trained); "local" drops the memory
-    (attention over the last ``local_window`` keys only, i.e. truncation); "fold" adds the far memory.
+    (attention over the last ``local_window`` keys only, i.e. truncation); "fold" adds the far memory;
+    "auto" is "full" for prompts of at most ``AUTO_WINDOW_AFTER`` tokens and "local" for longer ones,
+    decided once per request (:meth:`for_prompt`: a cache keeps one setting for its whole life).
     Defaults chosen on the dev split of the long-context benchmark (README, "Long context").
     """
 
@@ -61,8 +76,15 @@ class FarMemoryConfig:
 
     @property
     def changes_attention(self) -> bool:
-        """False for "full": the drafter's own (trained) attention runs untouched."""
+        """False for "full": the drafter's own (trained) attention runs untouched ("auto" may change it)."""
         return self.mode != "full"
+
+    def for_prompt(self, prompt_length: int) -> "FarMemoryConfig | None":
+        """What a request whose prompt has ``prompt_length`` tokens runs: "auto" resolved ("local"
+        past ``AUTO_WINDOW_AFTER`` tokens, else None), any other mode itself (None for "full")."""
+        if self.mode == "auto":
+            return replace(self, mode="local") if prompt_length > AUTO_WINDOW_AFTER else None
+        return self if self.changes_attention else None
 
 
 def checked_far_memory(far_memory: FarMemoryConfig | None) -> FarMemoryConfig | None:
@@ -95,6 +117,7 @@ def far_memory_attention(
     start: int,
     inv_freq: torch.Tensor,  # [head_dim/2] rotary frequencies
     config: FarMemoryConfig,
+    memory: tuple[torch.Tensor, torch.Tensor] | None = None,  # keys, values # [kv_heads, >= start+n-W, head_dim] in a lower precision
 ) -> torch.Tensor:
     """Causal attention with far memory (the module docstring's equation) # [heads, n, head_dim].
 
@@ -102,16 +125,19 @@ def far_memory_attention(
     only; "local" drops them) at the shared position t-W. Grouped-query: query head h reads kv head
     h // (heads / kv_heads). Rows are processed in blocks so a long catch-up never holds an
     [n, n] logit matrix. Memory scores use (R(t)q)·(R(t-W)k) = (R(W)q)·k: one rotation of the
-    query instead of re-rotating every memory key for every row.
+    query instead of re-rotating every memory key for every row. With ``memory`` (fold only; from
+    :func:`low_precision_memory`) the memory's two products run in its precision on copies of the
+    same keys and values; logits, exponentials and the normaliser stay float32.
     """
     heads, num_rows, head_dim = query.shape
     kv_heads, num_keys, _ = keys.shape
+    _check_resolved(config)
     if num_keys != start + num_rows:
         raise ValueError(f"far_memory_attention: {num_keys} keys for rows at {start}..{start + num_rows - 1}")
     grouped = query.reshape(kv_heads, heads // kv_heads, num_rows, head_dim)  # [kv_heads, group, n, head_dim]
     block = max(1, _BLOCK_ELEMENTS // (heads * max(num_keys, 1)))
     outputs = [
-        _attend_block(grouped[:, :, first : first + block], keys, values, start + first, inv_freq, config)
+        _attend_block(grouped[:, :, first : first + block], keys, values, start + first, inv_freq, config, memory)
         for first in range(0, num_rows, block)
     ]
     return torch.cat(outputs, dim=2).reshape(heads, num_rows, head_dim)
@@ -124,6 +150,7 @@ def _attend_block(
     first: int,
     inv_freq: torch.Tensor,  # [head_dim/2]
     config: FarMemoryConfig,
+    memory: tuple[torch.Tensor, torch.Tensor] | None,  # low-precision copies of keys, values # [kv_heads, >= memory_end, head_dim]
 ) -> torch.Tensor:
     """One block of rows # [kv_heads, group, b, head_dim]."""
     window, rows = config.local_window, query.shape[2]
@@ -143,8 +170,10 @@ def _attend_block(
     if config.mode != "fold" or memory_end <= 0:
         return _grouped_matmul(torch.softmax(local_logits, dim=-1), values[:, local_from : first + rows])
     cos_w, sin_w = rotary_cos_sin(torch.tensor([float(window)], device=device), inv_freq)
-    memory_keys = keys[:, :memory_end]  # [kv_heads, n_mem, d], all at relative distance W
-    memory_logits = _grouped_matmul(apply_rotary(query, cos_w, sin_w), memory_keys.transpose(1, 2))  # [kv_heads, group, b, n_mem]
+    memory_keys, memory_values = (keys, values) if memory is None else memory
+    memory_keys, memory_values = memory_keys[:, :memory_end], memory_values[:, :memory_end]  # [kv_heads, n_mem, d], all at distance W
+    at_window = apply_rotary(query, cos_w, sin_w).to(memory_keys.dtype)
+    memory_logits = _grouped_matmul(at_window, memory_keys.transpose(1, 2)).float()  # [kv_heads, group, b, n_mem]
     memory_logits.mul_(scale / config.memory_temperature).add_(math.log(config.memory_weight))
     in_memory = torch.arange(memory_end, device=device)[None, :] <= (row_positions - window)[:, None]  # [b, n_mem]
     memory_logits.masked_fill_(~in_memory, -math.inf)
@@ -152,8 +181,24 @@ def _attend_block(
     peak = torch.maximum(local_logits.amax(dim=-1, keepdim=True), memory_logits.amax(dim=-1, keepdim=True))
     local_weights, memory_weights = local_logits.sub_(peak).exp_(), memory_logits.sub_(peak).exp_()
     total = local_weights.sum(dim=-1, keepdim=True) + memory_weights.sum(dim=-1, keepdim=True)  # Z_loc + λ·Z_mem (scaled)
-    out = _grouped_matmul(local_weights, values[:, local_from : first + rows]) + _grouped_matmul(memory_weights, values[:, :memory_end])
-    return out / total
+    from_memory = _grouped_matmul(memory_weights.to(memory_values.dtype), memory_values).float()
+    return (_grouped_matmul(local_weights, values[:, local_from : first + rows]) + from_memory) / total
+
+
+def _check_resolved(config: FarMemoryConfig) -> None:
+    if config.mode == "auto":
+        raise ValueError('far-memory mode "auto" is decided per request: attend with FarMemoryConfig.for_prompt(prompt_length)')
+
+
+def low_precision_memory(cache, end: int, config: FarMemoryConfig | None) -> tuple[torch.Tensor, torch.Tensor] | None:  # noqa: ANN001 - a LayerKVCache
+    """The far memory's keys and values in bfloat16 for rows ending at position ``end`` (exclusive)
+    of ``cache`` (:meth:`~verispec.engine.kv_cache.LayerKVCache.low_precision`, converted once
+    per row), when that memory holds at least ``LOW_PRECISION_MEMORY_FROM`` keys and the CPU
+    multiplies bfloat16 natively; None otherwise (float32 attention)."""
+    if config is None or config.mode != "fold" or not native_bf16_products():
+        return None
+    memory_end = end - config.local_window  # keys 0 .. end-1-W are memory for the last row
+    return cache.low_precision(memory_end) if memory_end >= LOW_PRECISION_MEMORY_FROM else None
 
 
 def _grouped_matmul(grouped: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -163,7 +208,12 @@ def _grouped_matmul(grouped: torch.Tensor, shared: torch.Tensor) -> torch.Tensor
     would copy it once per query head (keys can be 16K long).
     """
     kv_heads, group, rows, width = grouped.shape
-    return torch.bmm(grouped.reshape(kv_heads, group * rows, width), shared).view(kv_heads, group, rows, -1)
+    folded = grouped.reshape(kv_heads, group * rows, width)
+    if shared.dtype == torch.float32:
+        return torch.bmm(folded, shared).view(kv_heads, group, rows, -1)
+    # bfloat16 bmm copied a whole [kv_heads, 16K, d] view of the cache whose heads lie a capacity
+    # apart (2.5 ms); one mm per KV head reads each head's rows in place (0.4 ms).
+    return torch.stack([torch.mm(folded[head], shared[head]) for head in range(kv_heads)]).view(kv_heads, group, rows, -1)
 
 
 @dataclass(frozen=True)
@@ -196,6 +246,7 @@ def far_memory_prefix_attention(
     """
     batch, heads, num_new, head_dim = query.shape
     keys, values = prefix
+    _check_resolved(rows.config)
     kv_heads, num_prefix = own[0].shape[1], keys.shape[2]
     group, window, scale = heads // kv_heads, rows.config.local_window, 1.0 / math.sqrt(head_dim)
     position_rows = rows.positions.shape[0]  # batch, or 1 for rows at the same positions in every entry

@@ -490,8 +490,7 @@ class LeanLM(CachedLM):
             raise ValueError(f"keep_branch needs position < branch_slot < {len(self.token_ids)}, got {position}, {branch_slot}")
         # The branch row's keys/values were computed at its position (rotary angles, attention): move them there.
         for layer_cache in self.cache:
-            layer_cache.keys[:, position] = layer_cache.keys[:, branch_slot]
-            layer_cache.values[:, position] = layer_cache.values[:, branch_slot]
+            layer_cache.copy_row(branch_slot, position)
         if self.feature_log is not None:
             self.feature_log.rows[position] = self.feature_log.rows[branch_slot]
         self.token_ids[position] = self.token_ids[branch_slot]

@@ -89,13 +89,15 @@ class EagleDrafter:
         return self._lm_head(features).float()
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "EagleSession":
-        return EagleSession(self, sampling)
+        far_memory = self.far_memory.for_prompt(len(prompt_ids)) if self.far_memory is not None else None
+        return EagleSession(self, sampling, far_memory)
 
 
 class EagleSession:
-    def __init__(self, drafter: EagleDrafter, sampling: SamplingParams) -> None:
+    def __init__(self, drafter: EagleDrafter, sampling: SamplingParams, far_memory: FarMemoryConfig | None = None) -> None:
         self.drafter = drafter
         self.sampling = sampling
+        self.far_memory = far_memory  # this request's attention ("auto" resolved by the prompt's length); None: as trained
         self.cache = LayerKVCache()
         self.num_real = 0  # head positions fed with real target features (0 .. num_real-1)
         self.next_feature: torch.Tensor | None = None  # [hidden]: f̂ at position num_real, from the catch-up
@@ -131,7 +133,7 @@ class EagleSession:
             if len(tokens) == max_tokens or round_stops(token_prob, path_prob, None, drafter.path_confidence):
                 break
             embed = drafter.embed(torch.tensor([[token]]))  # [1, 1, hidden]
-            feature = head(feature[None], embed.float(), start=self.cache.length, cache=self.cache, far_memory=drafter.far_memory)[0]  # [1, hidden]
+            feature = head(feature[None], embed.float(), start=self.cache.length, cache=self.cache, far_memory=self.far_memory)[0]  # [1, hidden]
             passes += 1
         self.cache.crop(self.num_real)  # drafted positions go; the next round feeds real features there
         probs = torch.stack(step_probs) if step_probs else None
@@ -154,7 +156,7 @@ class EagleSession:
         if len(next_tokens) > DISTINCT_EMBEDS_FROM_ROWS:  # a prompt: each distinct token's share of fc computed once
             next_tokens, embed_rows = next_tokens.unique(return_inverse=True)
         embeds = self.drafter.embed(next_tokens[None]).float()  # [1, n or distinct, hidden]
-        predicted = self.drafter.head(fresh[None].float(), embeds, start=self.num_real + skipped, cache=self.cache, far_memory=self.drafter.far_memory, last_only=True, embed_rows=embed_rows)
+        predicted = self.drafter.head(fresh[None].float(), embeds, start=self.num_real + skipped, cache=self.cache, far_memory=self.far_memory, last_only=True, embed_rows=embed_rows)
         self.num_real += skipped + len(fresh)
         self.next_feature = predicted[0, -1]
         return 1
@@ -164,10 +166,9 @@ class EagleSession:
         window only (``--draft-attention local``) every query from the catch-up's last row on sees the
         last W positions, so the keys and values of older rows (most of a long prompt: at 16K tokens
         ~0.35 s of head work, 1.1 s before the mixed-precision fc) need not be computed."""
-        far_memory = self.drafter.far_memory
-        if far_memory is None or far_memory.mode != "local":
+        if self.far_memory is None or self.far_memory.mode != "local":
             return 0
-        return max(0, num_fresh - far_memory.local_window)
+        return max(0, num_fresh - self.far_memory.local_window)
 
     def close(self) -> None:
         self.cache = LayerKVCache()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, far_memory_attention, far_memory_prefix_attention
+from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, far_memory_attention, far_memory_prefix_attention, low_precision_memory
 from verispec.drafters.shared_prefix import KeysValues, shared_prefix_attention
 from verispec.models.quantize import linear_columns
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
@@ -146,7 +146,8 @@ class EagleHead(nn.Module):
             if cache is None:
                 raise ValueError("far-memory attention runs on the cached (drafting) path: pass a LayerKVCache")
             keys, values = cache.append(key[0], value[0])  # unrotated: a key's position depends on the query row
-            context = far_memory_attention(query[0], keys, values, start + first_row, self.inv_freq, far_memory)[None]
+            memory = low_precision_memory(cache, start + num_new, far_memory)
+            context = far_memory_attention(query[0], keys, values, start + first_row, self.inv_freq, far_memory, memory)[None]
             return self._finish(hidden, context)
         key = apply_rotary(key, *self._rope(start, start + num_new, features.device))
         query = apply_rotary(query, *self._rope(start + first_row, start + num_new, features.device))

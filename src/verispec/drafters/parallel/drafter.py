@@ -124,7 +124,8 @@ class ParallelDrafter:
             raise ValueError(f"candidates ({candidates}) or alternatives + 1 ({alternatives + 1}) exceeds the draft vocabulary ({draft_vocab_size} tokens)")
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "ParallelSession":
-        return ParallelSession(self, self.alternatives if sampling.is_greedy else 0)  # trees are verified greedily only
+        far_memory = self.far_memory.for_prompt(len(prompt_ids)) if self.far_memory is not None else None
+        return ParallelSession(self, self.alternatives if sampling.is_greedy else 0, far_memory)  # trees are verified greedily only
 
 
 @dataclass
@@ -148,6 +149,7 @@ def draft_paths(
     visible: torch.Tensor | None = None,  # [B, P] bool: context positions each row sees (None: all)
     width: int | None = None,  # candidates ranked per position (default: the drafter's m; more for runner-ups)
     corrector_context: KeysValues | None = None,  # [1, kv_heads, P, head_dim]: the corrector's cached context (with a corrector)
+    far_memory: FarMemoryConfig | None = None,  # the setting the context was encoded with (a session's, "auto" resolved); None: as trained
 ) -> BlockDrafts:
     """The drafted path of each of B rows (the lattice of the drafter's m best per position).
 
@@ -155,7 +157,7 @@ def draft_paths(
     (:mod:`verispec.drafters.parallel.acceptance`), the same arithmetic either way.
     """
     head = drafter.head
-    hidden = head.draft_block(encoded, anchors, starts, context_visible=visible, far_memory=drafter.far_memory)[:, :count]  # [B, count, hidden]
+    hidden = head.draft_block(encoded, anchors, starts, context_visible=visible, far_memory=far_memory)[:, :count]  # [B, count, hidden]
     if head.config.first_from_anchor:  # the first draft as EAGLE makes it (see ParallelConfig)
         hidden = torch.cat((head.norm(anchors)[:, None], hidden[:, 1:]), dim=1)
     log_probs = drafter.lm_head(hidden).float().log_softmax(-1)  # [B, count, draft_vocab]
@@ -171,9 +173,9 @@ def draft_paths(
     corrected = int(reach.max())
     if drafter.correction and corrected > 1 and drafter.candidates > 1:
         if drafter.corrector is not None:
-            pair = _successor_fit(drafter, corrector_context, hidden[:, :corrected], starts, lattice[:, :corrected], visible)  # [B, corrected-1, m, m]
+            pair = _successor_fit(drafter, corrector_context, hidden[:, :corrected], starts, lattice[:, :corrected], visible, far_memory)  # [B, corrected-1, m, m]
         else:
-            pair = _pair_fit(drafter, encoded, anchors, starts, lattice[:, :corrected], visible)
+            pair = _pair_fit(drafter, encoded, anchors, starts, lattice[:, :corrected], visible, far_memory)
         if head.config.first_from_anchor:
             # The anchor's first draft is EAGLE's own next-token readout over the real context, the
             # best-informed of the block: the fit may choose what follows it, never overrule it
@@ -227,6 +229,7 @@ def _pair_fit(
     starts: torch.Tensor,  # [B] long
     index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
     visible: torch.Tensor | None,  # [B, P] bool or None
+    far_memory: FarMemoryConfig | None = None,  # the setting the context was encoded with; None: as trained
 ) -> torch.Tensor:
     """pair[b, i, c, c'] # [B, count-1, m, m] from one batched pass of B·(count-1)·m blocks: slot i known as candidate c."""
     batch, count, width = index.shape
@@ -237,7 +240,7 @@ def _pair_fit(
     known[torch.arange(rows), position] = True
     known_embeds = torch.zeros(rows, block, hidden_size)
     known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
-    hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible, far_memory=drafter.far_memory)  # [rows, K, hidden]
+    hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible, far_memory=far_memory)  # [rows, K, hidden]
     following = hidden[torch.arange(rows), position + 1].view(batch, count - 1, width, hidden_size)  # ĥ_{i+1}
     return _fit_over_candidates(drafter, following, index)
 
@@ -249,6 +252,7 @@ def _successor_fit(
     starts: torch.Tensor,  # [B] long: block positions L
     index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
     visible: torch.Tensor | None,  # [B, P] bool or None
+    far_memory: FarMemoryConfig | None = None,  # the setting the context was encoded with; None: as trained
 ) -> torch.Tensor:
     """pair[b, i, c, c'] # [B, count-1, m, m] from the EAGLE corrector, ONE call of B·(count-1)·m steps.
 
@@ -267,7 +271,7 @@ def _successor_fit(
     hidden_size = slot_features.shape[-1]
     position, owner, tokens, row_visible = _candidate_rows(drafter, index, visible)
     features = slot_features[owner, position].float()  # [rows, hidden]: ĥ_i of each step
-    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=drafter.far_memory)
+    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=far_memory)
     return _fit_over_candidates(drafter, following.view(batch, count - 1, width, hidden_size), index)
 
 
@@ -298,8 +302,9 @@ def _fit_over_candidates(
 
 
 class ParallelSession:
-    def __init__(self, drafter: ParallelDrafter, alternatives: int = 0) -> None:
+    def __init__(self, drafter: ParallelDrafter, alternatives: int = 0, far_memory: FarMemoryConfig | None = None) -> None:
         self.drafter, self.alternatives = drafter, alternatives
+        self.far_memory = far_memory  # this request's attention ("auto" resolved by the prompt's length); None: as trained
         self.caches = [LayerKVCache() for _ in drafter.head.layers]
         self.corrector_cache = LayerKVCache()  # the corrector's keys/values of the same positions (with a corrector)
         self.num_real = 0  # context positions encoded (0 .. num_real-1), all with real target features
@@ -314,7 +319,7 @@ class ParallelSession:
         count = min(drafter.block_size, max_tokens)
         encoded = [cached(cache) for cache in self.caches]
         corrector_context = cached(self.corrector_cache) if drafter.corrector is not None else None
-        drafts = draft_paths(drafter, encoded, self.anchor, torch.tensor([self.num_real]), count, width=self.alternatives + 1, corrector_context=corrector_context)
+        drafts = draft_paths(drafter, encoded, self.anchor, torch.tensor([self.num_real]), count, width=self.alternatives + 1, corrector_context=corrector_context, far_memory=self.far_memory)
         alternatives = path_runner_ups(drafts, 0, self.alternatives)
         tokens = drafts.tokens[0, : int(drafts.lengths[0])].tolist()
         return Proposal(tokens=tokens, probs=None, num_forward_passes=passes + drafts.passes, alternatives=alternatives)
@@ -327,7 +332,7 @@ class ParallelSession:
             return 0
         fresh, next_tokens = rows
         features, embeds = fresh[None].float(), self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden] each
-        far_memory = self.drafter.far_memory
+        far_memory = self.far_memory
         _, outputs = self.drafter.head.encode_context(features, embeds, start=self.num_real, caches=self.caches, far_memory=far_memory)
         if self.drafter.corrector is not None:  # only its keys/values are read later; last_only skips the rest
             self.drafter.corrector(features, embeds, start=self.num_real, cache=self.corrector_cache, far_memory=far_memory, last_only=True)
