@@ -49,7 +49,8 @@ class EagleDrafter:
     ``quantize=True``: int8 dynamic linears for the head and its LM-head rows (a copy of the head;
     cheaper draft steps, possibly lower acceptance, the output exact either way); where the CPU
     multiplies bfloat16 natively, fc's feature half in bfloat16 too.
-    ``far_memory``: how the head attends over long contexts; None (or mode "full") as trained.
+    ``far_memory``: how the head attends over long contexts; None (or mode "full") as trained; mode
+    "auto" is resolved per request by its prompt's length (:meth:`FarMemoryConfig.for_prompt`).
     ``path_confidence``: stop a round early once the product of the head's probabilities of this
     round's drafts falls below this (the draft model's rule, :func:`round_stops`): long rounds where
     the head is sure, short ones where it is not. Reads only the head's outputs, so still exact.

@@ -74,7 +74,8 @@ class ParallelDrafter:
     parallel head's known-slot pass: one EAGLE step per (position, candidate), reading slot i's
     drafted feature with the candidate as the token one step ahead (:func:`_successor_fit`).
     ``far_memory``: how the head (and the corrector) attend over long contexts
-    (:mod:`verispec.drafters.far_memory`); None (or mode "full") as trained. Only drafts change.
+    (:mod:`verispec.drafters.far_memory`); None (or mode "full") as trained; "auto" resolved per
+    request by its prompt's length. Only drafts change.
     ``path_confidence``: end a round's path where the product of its block probabilities falls
     below this, in [0, 1) (that draft kept, as :class:`~verispec.drafters.eagle.EagleDrafter`'s
     rule); None or 0: every slot of the block is drafted.
