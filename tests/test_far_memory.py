@@ -400,6 +400,19 @@ def test_an_auto_session_drafts_as_trained_on_short_prompts_and_with_a_local_win
     assert SpeculativeDecoder(target, drafters["auto"], gamma=3).generate(long, 16, stop=[]).token_ids == plain
 
 
+def test_generate_says_when_auto_leaves_the_trained_attention(target):
+    from verispec.drafters import NgramDrafter, lookup_then_model
+    from verispec.far_memory_cli import auto_attention_note
+
+    auto = EagleDrafter(target, fresh_head(target), far_memory=FarMemoryConfig("auto", local_window=4))
+    assert auto_attention_note(auto, 1024) is None  # within the training length: as trained, nothing to say
+    note = auto_attention_note(auto, 2000)
+    assert "last 4 tokens" in note and "2000 tokens are past the 1024" in note and "--draft-attention" in note
+    assert auto_attention_note(lookup_then_model(auto), 2000) == note  # lookup first, the head otherwise
+    explicit = EagleDrafter(target, fresh_head(target), far_memory=FarMemoryConfig("fold", local_window=4))
+    assert auto_attention_note(explicit, 2000) is None and auto_attention_note(NgramDrafter(), 2000) is None and auto_attention_note(None, 2000) is None
+
+
 def test_bench_methods_pick_the_mode_and_keep_the_window_temperature_and_weight(target):
     from verispec.bench.methods import build_method
 

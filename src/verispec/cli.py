@@ -499,8 +499,12 @@ def _encode(target, text: str, raw: bool) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from verispec.far_memory_cli import auto_attention_note
+
     target, _, decoder, sampling = _load(args)
     input_ids = _encode(target, args.prompt, args.raw)
+    if (note := auto_attention_note(decoder.drafter, len(input_ids))) is not None:
+        print(note, file=sys.stderr)
     stop = None if not args.stop else decoder.default_stop() + list(args.stop)
     tokens: list[int] = []
     printed = ""

@@ -24,6 +24,19 @@ def add_far_memory_options(sub: argparse.ArgumentParser, *, with_mode: bool = Tr
     sub.add_argument("--memory-weight", type=float, default=_DEFAULTS.memory_weight, metavar="LAMBDA", help=f"fold: multiplies the far memory's total attention mass against the local window (default {_DEFAULTS.memory_weight})")
 
 
+def auto_attention_note(drafter, prompt_length: int) -> str | None:  # noqa: ANN001 - any Drafter
+    """What ``generate`` tells a user whose prompt made "auto" leave the head's trained attention;
+    None when it did not (or the drafter has no head)."""
+    far_memory = getattr(drafter, "far_memory", None) or getattr(getattr(drafter, "fallback", None), "far_memory", None)
+    resolved = far_memory.for_prompt(prompt_length) if far_memory is not None and far_memory.mode == "auto" else None
+    if resolved is None:
+        return None
+    return (
+        f"verispec: the head drafts over the last {resolved.local_window} tokens: the prompt's {prompt_length} tokens are past the "
+        f"{AUTO_WINDOW_AFTER} it was trained on (--draft-attention auto; full or fold to choose otherwise)"
+    )
+
+
 def far_memory_from_args(args: argparse.Namespace, mode: str | None = None) -> FarMemoryConfig | None:
     """The config the options describe (``mode`` overrides --draft-attention); None for "full" ("auto"
     is kept: each request resolves it by its prompt's length). Errors name the option."""
