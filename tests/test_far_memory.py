@@ -417,7 +417,7 @@ def test_bench_methods_pick_the_mode_and_keep_the_window_temperature_and_weight(
     from verispec.bench.methods import build_method
 
     settings = FarMemoryConfig("fold", local_window=8, memory_temperature=0.7, memory_weight=2.0)
-    for name, mode, adaptive in [("eagle", None, False), ("eagle-local", "local", False), ("eagle-fold-adaptive", "fold", True)]:
+    for name, mode, adaptive in [("eagle", None, False), ("eagle-local", "local", False), ("eagle-fold-adaptive", "fold", True), ("eagle-auto", "auto", False)]:
         decoder = build_method(name, target, None, 3, eagle_head=fresh_head(target), far_memory=settings).decoder
         assert (decoder._gamma_controller is not None) == adaptive
         if mode is None:

@@ -45,6 +45,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("ngram+eagle-adaptive", "ours", False, "ngram+eagle, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle-local", "ours", False, "EAGLE head attending to the last --local-window tokens only (truncation)"),
         MethodSpec("eagle-fold", "ours", False, "EAGLE head with far memory (FOLD: --local-window, --memory-temperature, --memory-weight)"),
+        MethodSpec("eagle-auto", "ours", False, "EAGLE head as generate/serve run it by default: as trained up to 1,024 prompt tokens, eagle-local past them (--draft-attention auto)"),
         MethodSpec("eagle-local-adaptive", "ours", False, "eagle-local, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle-fold-adaptive", "ours", False, "eagle-fold, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("parallel", "ours", False, "parallel head (--parallel-head): a block of K drafts from one pass, top-1 per position"),
@@ -374,7 +375,7 @@ def build_method(
 
         if eagle_head is None:
             raise ValueError(f"method {name!r} needs an EAGLE head (--eagle-head PATH; `verispec eagle build` trains one)")
-        mode = {"eagle-local": "local", "eagle-fold": "fold"}.get(name.removesuffix("-adaptive"))
+        mode = {"eagle-local": "local", "eagle-fold": "fold", "eagle-auto": "auto"}.get(name.removesuffix("-adaptive"))
         settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
         drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path, alternatives=tree_alternatives(tree_rows))
         if name.startswith("ngram+"):
