@@ -434,7 +434,12 @@ def test_bench_methods_pick_the_mode_and_keep_the_window_temperature_and_weight(
                            ("parallel-corrected-eagle:attention=fold", FarMemoryConfig("fold", 8, 0.7, 2.0))]:  # fmt: skip
         drafter = build_method(name, target, None, 3, eagle_head=fresh_head(target), parallel_head=parallel, far_memory=settings).decoder.drafter
         assert drafter.far_memory == expected
-    for name, message in [("eagle:attention=fold", "applies to parallel"), ("parallel:attention=wide", "out of range")]:
+    # So do the EAGLE methods attending as trained (with lookup in front too); the fixed-mode names do not.
+    for name, expected in [("eagle:attention=fold", FarMemoryConfig("fold", 8, 0.7, 2.0)), ("ngram+eagle-adaptive:attention=local", FarMemoryConfig("local", 8, 0.7, 2.0)),
+                           ("eagle-adaptive:attention=full", None), ("ngram+eagle:attention=auto", FarMemoryConfig("auto", 8, 0.7, 2.0))]:  # fmt: skip
+        drafter = build_method(name, target, None, 3, eagle_head=fresh_head(target), far_memory=settings).decoder.drafter
+        assert getattr(drafter, "fallback", drafter).far_memory == expected
+    for name, message in [("eagle-fold:attention=local", "applies to eagle, "), ("draft-model:attention=fold", "applies to eagle, "), ("parallel:attention=wide", "out of range")]:
         with pytest.raises(ValueError, match=message):
             parse_variant(name)
 

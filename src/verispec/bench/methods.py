@@ -80,6 +80,7 @@ _DRAFT_MODEL_METHODS = ("draft-model", "draft-model-adaptive", "ngram+draft", "n
 _EAGLE_METHODS = ("eagle", "eagle-adaptive", "ngram+eagle", "ngram+eagle-adaptive")  # (far-memory variants: as measured, no stop rule)
 _PARALLEL_METHODS = ("parallel", "parallel-corrected", "parallel-corrected-eagle")
 _CORRECTED_METHODS = ("parallel-corrected", "parallel-corrected-eagle")
+_ATTENTION_METHODS = _EAGLE_METHODS + _PARALLEL_METHODS  # heads whose attention over long inputs is a setting (eagle-local etc. fix it)
 _TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + _PARALLEL_METHODS  # drafters offering runner-ups
 _PATH_METHODS = _TREE_METHODS  # drafters with the path stop rule
 
@@ -116,8 +117,8 @@ _OPTIONS = {
                       int, lambda v: v >= 0, lambda base: METHODS[base].family == "ours", "our methods"),
     "cand": _Option(f"contextual correction: candidates kept per position (m), >= 2 (default {PARALLEL_CANDIDATES})", int, lambda v: v >= 2,
                     lambda base: base in _CORRECTED_METHODS, ", ".join(_CORRECTED_METHODS)),
-    "attention": _Option("parallel head (and its EAGLE corrector): how it attends over long inputs — full (as trained), local (the last --local-window tokens only) or fold (far memory: --local-window, --memory-temperature, --memory-weight)",
-                         str, lambda v: v in ATTENTION_MODES, lambda base: base in _PARALLEL_METHODS, ", ".join(_PARALLEL_METHODS)),
+    "attention": _Option("EAGLE or parallel head (and its EAGLE corrector): how it attends over long inputs — full (as trained), local (the last --local-window tokens only), fold (far memory: --local-window, --memory-temperature, --memory-weight) or auto (full up to 1,024 prompt tokens, local past them)",
+                         str, lambda v: v in ATTENTION_MODES, lambda base: base in _ATTENTION_METHODS, ", ".join(_ATTENTION_METHODS)),
 }
 METHOD_OPTIONS = {key: option.help for key, option in _OPTIONS.items()}
 
@@ -314,9 +315,10 @@ def build_method(
 
     ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods;
     ``head_quantize``: run the EAGLE and parallel heads with int8 linears.
-    ``far_memory``: the ``FarMemoryConfig`` whose window / temperature / weight eagle-local and
-    eagle-fold use (each sets its own mode; default: the config's defaults), and the parallel
-    methods with an ``attention`` setting; eagle and eagle-adaptive always attend as trained.
+    ``far_memory``: the ``FarMemoryConfig`` whose window / temperature / weight eagle-local,
+    eagle-fold and eagle-auto use (each sets its own mode; default: the config's defaults), and the
+    EAGLE and parallel methods with an ``attention`` setting (``ngram+eagle-adaptive:attention=fold``);
+    without one they attend as trained.
     ``parallel_head``: the parallel head (checkpoint path or ``ParallelHead``) for the parallel methods.
     ``draft_settings``: the :class:`~verispec.drafters.draft_model.DraftModelSettings` of our
     draft-model methods (default: its defaults).
@@ -375,7 +377,7 @@ def build_method(
 
         if eagle_head is None:
             raise ValueError(f"method {name!r} needs an EAGLE head (--eagle-head PATH; `verispec eagle build` trains one)")
-        mode = {"eagle-local": "local", "eagle-fold": "fold", "eagle-auto": "auto"}.get(name.removesuffix("-adaptive"))
+        mode = {"eagle-local": "local", "eagle-fold": "fold", "eagle-auto": "auto"}.get(name.removesuffix("-adaptive"), variant.attention)
         settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
         drafter = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path, alternatives=tree_alternatives(tree_rows))
         if name.startswith("ngram+"):

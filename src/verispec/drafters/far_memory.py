@@ -162,10 +162,10 @@ def _attend_block(
     cos_q, sin_q = rotary_cos_sin(row_positions.float(), inv_freq)
     cos_k, sin_k = rotary_cos_sin(local_positions.float(), inv_freq)
     local_keys = apply_rotary(keys[:, local_from : first + rows], cos_k, sin_k)  # [kv_heads, n_loc, d]
-    distance = row_positions[:, None] - local_positions[None, :]  # [b, n_loc]: t - s
-    in_window = (distance >= 0) & (distance < window)
     local_logits = _grouped_matmul(apply_rotary(query, cos_q, sin_q), local_keys.transpose(1, 2)).mul_(scale)  # [kv_heads, group, b, n_loc]
-    local_logits.masked_fill_(~in_window, -math.inf)
+    if rows > 1:  # one row (a draft step) sees its whole window and memory: nothing to mask
+        distance = row_positions[:, None] - local_positions[None, :]  # [b, n_loc]: t - s
+        local_logits.masked_fill_((distance < 0) | (distance >= window), -math.inf)
     memory_end = first + rows - window  # keys 0 .. memory_end-1 are memory for the block's last row
     if config.mode != "fold" or memory_end <= 0:
         return _grouped_matmul(torch.softmax(local_logits, dim=-1), values[:, local_from : first + rows])
@@ -175,8 +175,9 @@ def _attend_block(
     at_window = apply_rotary(query, cos_w, sin_w).to(memory_keys.dtype)
     memory_logits = _grouped_matmul(at_window, memory_keys.transpose(1, 2)).float()  # [kv_heads, group, b, n_mem]
     memory_logits.mul_(scale / config.memory_temperature).add_(math.log(config.memory_weight))
-    in_memory = torch.arange(memory_end, device=device)[None, :] <= (row_positions - window)[:, None]  # [b, n_mem]
-    memory_logits.masked_fill_(~in_memory, -math.inf)
+    if rows > 1:
+        in_memory = torch.arange(memory_end, device=device)[None, :] <= (row_positions - window)[:, None]  # [b, n_mem]
+        memory_logits.masked_fill_(~in_memory, -math.inf)
     # One softmax over both parts, without concatenating them (in place: these are the block's largest tensors).
     peak = torch.maximum(local_logits.amax(dim=-1, keepdim=True), memory_logits.amax(dim=-1, keepdim=True))
     local_weights, memory_weights = local_logits.sub_(peak).exp_(), memory_logits.sub_(peak).exp_()
