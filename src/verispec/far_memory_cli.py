@@ -1,8 +1,8 @@
 """``--draft-attention / --local-window / --memory-temperature / --memory-weight``: far-memory options of head drafting.
 
 Shared by every command that drafts with the EAGLE or parallel head (generate, compare, serve, eagle
-eval; bench takes the three numbers and picks the mode per method: eagle, eagle-local, eagle-fold,
-and ``parallel...:attention=local|fold``).
+eval; bench takes the three numbers and picks the mode per method: eagle-local, eagle-fold,
+eagle-auto, and ``:attention=full|local|fold|auto`` on the other EAGLE and the parallel methods).
 """
 
 from __future__ import annotations
