@@ -358,7 +358,7 @@ def test_a_local_window_catch_up_computes_only_the_rows_later_calls_can_see(targ
     assert EagleDrafter(target, fresh_head(target), far_memory=FarMemoryConfig("fold", local_window=4)).start(prompt, SamplingParams())._never_read(29) == 0
 
 
-def test_auto_is_the_trained_attention_up_to_the_training_length_and_fold_beyond():
+def test_auto_is_the_trained_attention_up_to_the_training_length_and_the_local_window_beyond():
     from verispec.drafters.far_memory import AUTO_WINDOW_AFTER
 
     auto = FarMemoryConfig("auto", local_window=8, memory_temperature=0.7, memory_weight=2.0)
