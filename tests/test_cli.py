@@ -90,8 +90,10 @@ def test_compare_writes_json(tiny_gguf, tmp_path, capsys):
     report = tmp_path / "report.json"
     args = ["compare", "--target", tiny_gguf, "--draft", tiny_gguf, "--max-new-tokens", "8", "--json", str(report), "hi"]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "median speed-up" in out and "identical to plain 1/1" in out
+    # The default drafter (auto) wants an EAGLE head for long prompts; this target has none.
+    assert "no EAGLE head for" in err and "--drafter auto drafts every prompt with ngram+draft" in err
     payload = json.loads(report.read_text())
     assert payload["summary"]["identical"] == 1
     assert payload["prompts"][0]["speculative_tokens"] == 8
@@ -107,6 +109,7 @@ def test_compare_writes_json(tiny_gguf, tmp_path, capsys):
         (["--draft-confidence", "1.5"], "--draft-confidence"),
         (["--draft-path-confidence", "1"], "--draft-path-confidence must be in [0, 1)"),
         (["--draft", "/nonexistent/model.gguf"], "does not exist"),
+        (["--long-prompt", "0"], "--long-prompt must be >= 1"),
     ],
 )
 def test_bad_arguments_are_clear_errors(tiny_gguf, capsys, extra, message):
@@ -148,7 +151,8 @@ def test_one_stream_commands_default_to_the_measured_fastest_setting():
 
     for command in ("generate", "compare"):
         args = _build_parser().parse_args([command, "x"])
-        assert (args.drafter, args.gamma, args.draft_path_confidence) == ("ngram+draft", STREAM_GAMMA, STREAM_PATH_CONFIDENCE)
+        # auto: ngram+draft below --long-prompt tokens (the fastest measured on HumanEval), ngram+eagle from there.
+        assert (args.drafter, args.long_prompt, args.gamma, args.draft_path_confidence) == ("auto", 2048, STREAM_GAMMA, STREAM_PATH_CONFIDENCE)
         assert _build_parser().parse_args([command, "--draft-path-confidence", "0", "x"]).draft_path_confidence == 0.0  # 0 = off
     serve = _build_parser().parse_args(["serve"])
     assert (serve.drafter, serve.gamma, serve.draft_path_confidence) == ("draft-model", 6, None)
@@ -347,6 +351,11 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
 
     if panel_kernels_unavailable_reason() is None:  # --target-kernels auto takes the stack trees run on
         assert "draft trees need the panel kernels' fused stack" in err
+    # --drafter auto: lookup + draft model below --long-prompt tokens, lookup + the head from there; plain's text either way.
+    for long_prompt, chosen in (("1000", f"ngram+{tiny_gguf}"), ("1", "ngram+eagle")):
+        assert main([*raw, "--drafter", "auto", "--draft", tiny_gguf, "--long-prompt", long_prompt]) == 0
+        out, err = capsys.readouterr()
+        assert out == plain32 and f"drafting with {chosen} (--drafter auto" in err
     # The same head drafts for the target served in bfloat16 (its fingerprint is taken in bfloat16).
     bf16 = ["generate", *common, "--target-dtype", "bfloat16", "--max-new-tokens", "8", "--raw", "hello"]
     assert main([*bf16, "--drafter", "none"]) == 0
@@ -495,3 +504,15 @@ def test_target_kernels_auto_says_what_it_picked(tiny_gguf, capsys):
             assert "LM-head rows, ms" in err and "screened on panel" not in err, extra
     assert main(["generate", "--target", tiny_gguf, "--drafter", "none", "--max-new-tokens", "4", "--raw", "--target-kernels", "dense", "hello"]) == 0
     assert "target kernels:" not in capsys.readouterr().err  # an explicit choice is not timed
+
+
+def test_tree_rows_auto_limits_trees_to_short_contexts_and_an_explicit_count_does_not(tiny_gguf):
+    from verispec import cli
+
+    def decoder(*extra):
+        args = cli._build_parser().parse_args(["generate", "--target", tiny_gguf, "--draft", tiny_gguf, "--drafter", "ngram+draft", *extra, "hi"])
+        return cli._load(args)[2]
+
+    assert decoder().tree_max_context == cli.AUTO_TREE_MAX_CONTEXT
+    explicit = decoder("--tree-rows", "8")
+    assert explicit.tree_rows == 8 and explicit.tree_max_context is None

@@ -154,6 +154,27 @@ def test_greedy_decoding_with_draft_trees_is_token_identical_and_keeps_branches(
 def test_tree_rows_is_validated():
     with pytest.raises(ValueError, match="tree_rows"):
         SpeculativeDecoder(tiny_target(), tree_rows=-1)
+    for bad in (0, -5, True, 2.0):
+        with pytest.raises(ValueError, match="tree_max_context must be an integer >= 1 or None"):
+            SpeculativeDecoder(tiny_target(), tree_max_context=bad)
+
+
+def test_draft_trees_end_where_the_sequence_reaches_tree_max_context():
+    target = use_panel_kernels(tiny_target())
+    draft = noisy_copy(tiny_target(), noise=0.25)
+    prompt = list(range(3, 12))
+    limit = len(prompt) + 24
+    plain = SpeculativeDecoder(target).generate(prompt, max_new_tokens=60, stop=[]).token_ids
+    decoder = SpeculativeDecoder(target, DraftModel(draft, alternatives=2), gamma=4, tree_rows=12, tree_max_context=limit)
+    tokens, verified, before_limit = [], 0, 0
+    for step in decoder.stream(prompt, 60, stop=[]):
+        new_branches, verified = step.stats.branches_verified - verified, step.stats.branches_verified
+        if len(prompt) + len(tokens) < limit:  # the round started below the limit: trees allowed
+            before_limit += new_branches
+        else:
+            assert new_branches == 0, f"a tree verified at {len(prompt) + len(tokens)} tokens, limit {limit}"
+        tokens += step.token_ids
+    assert tokens == plain and before_limit > 0 and len(prompt) + len(tokens) > limit + 8
 
 
 def test_cli_tree_rows_default_matches_the_engine_and_is_validated(capsys):
@@ -184,8 +205,8 @@ def test_tree_rows_auto_gives_an_eagle_head_trees_only_where_rows_are_nearly_fre
         choice = KernelChoice(name, {"panel": {1: 1.0, 8: eight_rows}, "packed": {1: 1.1, 8: 1.2}})
         return cli._auto_tree_rows(Namespace(drafter=drafter, temperature=temperature), choice)
 
-    assert rows_for("ngram+eagle") == rows_for("eagle") == cli.AUTO_TREE_ROWS == 8
-    assert "draft trees of 8 rows" in capsys.readouterr().err
+    assert rows_for("ngram+eagle") == rows_for("eagle") == rows_for("auto") == cli.AUTO_TREE_ROWS == 8  # auto: its EAGLE head's prompts
+    assert f"draft trees of 8 rows up to {cli.AUTO_TREE_MAX_CONTEXT} tokens of context" in capsys.readouterr().err
     assert rows_for("eagle", eight_rows=1.3) == 0  # extra rows cost: chains (an AVX2-only EPYC: ~7% a row)
     assert rows_for("eagle", name="packed") == 0  # trees need the panel kernels' fused stack
     assert rows_for("draft-model") == rows_for("ngram+draft") == 0  # its trees measured no faster

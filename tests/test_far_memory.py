@@ -488,6 +488,15 @@ def test_long_prompts_have_the_requested_lengths_and_disjoint_splits(tiny_gguf, 
         # The request names the module's first function, which sits at the very start of the input.
         module = prompt.id.split("/")[1].split("@")[0]
         assert f"`function_{module[3]}_0`" in prompt.text.rsplit("```", 1)[1]
+    # The explain request: the same cuts, the function asked about in words, categories of their own.
+    explained = long_context_prompts(tokenizer, [300, 1200], "eval", per_length=3, root=fake_stdlib, request="explain")
+    assert [p.category for p in explained] == ["long-explain-300", "long-explain-1200"] * 3
+    for prompt in explained:
+        ask = prompt.text.rsplit("```", 1)[1]
+        assert "Explain in plain words what the function `function_" in ask and "Rewrite" not in ask
+        assert abs(len(encode_prompt(tokenizer, prompt.text)) - int(prompt.category.rsplit("-", 1)[1])) <= 2
+    with pytest.raises(ValueError, match="--long-request must be one of rewrite, explain"):
+        long_context_prompts(tokenizer, [300], "eval", root=fake_stdlib, request="translate")
     # The real standard library: the splits share no module.
     real_dev, real_eval = ({name for name, _ in long_context_modules(split)} for split in ("dev", "eval"))
     assert real_dev and real_eval and not real_dev & real_eval

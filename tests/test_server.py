@@ -91,6 +91,22 @@ def lookup_server(target):
 
 
 @pytest.fixture(scope="module")
+def auto_server(target):
+    # --drafter auto: lookup + draft model for prompts below 6 tokens, lookup + an EAGLE head from 6:
+    # sessions of both kinds share the batch.
+    from verispec.drafters.by_length import LengthSwitchDrafter
+    from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.for_target(target.model.config, 24)).eval().requires_grad_(False)
+    short = lookup_then_model(DraftModel(noisy_copy(target.model, noise=0.2)))
+    drafter = LengthSwitchDrafter(short, lookup_then_model(EagleDrafter(target.model, head)), 6)
+    server = _serve(target, drafter, scheduler={"gamma": 4, "gamma_policy": BatchGammaPolicy(full_until=4, off_from=40)})
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
 def plain_server(target):
     server = _serve(target, None, api_key=KEY)
     yield server
@@ -212,9 +228,12 @@ def _stream_completion(server, prompt, max_tokens, api_key="unused", **sampling)
     return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage, chunks[-1].model_extra["verispec"]
 
 
-@pytest.mark.parametrize("which", ["draft_server", "lookup_server", "plain_server"])
+@pytest.mark.parametrize("which", ["draft_server", "lookup_server", "auto_server", "plain_server"])
 def test_32_concurrent_streams_each_get_exactly_their_text_alone(which, request, target, tokenizer):
     server = request.getfixturevalue(which)
+    if which == "auto_server":  # both drafters get requests
+        lengths = [len(encode_prompt(tokenizer, prompt, chat=False)) for prompt in PROMPTS]
+        assert min(lengths) < 6 <= max(lengths)
     key = KEY if which == "plain_server" else "unused"
     headers = {"Authorization": f"Bearer {KEY}"}
     max_tokens = 16

@@ -19,6 +19,15 @@ DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not import
 # Performance, 2026-12-05 (noon)); the draft model's trees measured no faster, so it drafts chains.
 AUTO_TREE_ROWS = 8
 AUTO_TREE_MAX_ROW_COST = 1.15
+# ... and only while the sequence is shorter than this: a spare row's attention grows with the
+# context. Lookup + EAGLE on long inputs (Performance, 2026-12-06 (early morning)): trees decoded in 12% / 5% /
+# 3% less time than chains at 2K / 4K / 8K tokens and in 6% more at 16K; the limit sits between.
+AUTO_TREE_MAX_CONTEXT = 12288
+# --drafter auto: prompts of at least this many tokens are drafted by lookup + EAGLE head, shorter
+# ones by lookup + draft model. Measured (README, Performance, 2026-12-06 (early morning)): the two tie at
+# 512 tokens and the draft model leads on HumanEval (~150-500); from 2,048 to 16K tokens lookup + head
+# decoded in less time in 7 of 8 (length, request) pairs, 2-22% less, and 2% more in the eighth.
+DEFAULT_LONG_PROMPT = 2048
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
 DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
 SHARED_PREFILL_MB = 4096  # bench --share-prefill without --prefix-cache-mb: an 8K prompt's keys, values and features take ~0.5 GB
@@ -92,7 +101,7 @@ def draft_model_settings(args: argparse.Namespace):  # noqa: ANN201 - DraftModel
     return DraftModelSettings(
         confidence_threshold=args.draft_confidence, path_confidence=args.draft_path_confidence or None, draft_vocab=args.draft_vocab or None,
         lean=None if getattr(args, "draft_forward", "lean") == "lean" else False, panel_kernels=draft_panel_kernels(args),
-        alternatives=tree_alternatives(_chain_if_auto(getattr(args, "tree_rows", 0))), greedy_head=getattr(args, "draft_greedy_head", "screened"),
+        alternatives=tree_alternatives(0 if getattr(args, "trees_by_auto", False) else _chain_if_auto(getattr(args, "tree_rows", 0))), greedy_head=getattr(args, "draft_greedy_head", "screened"),
         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0), context_window=getattr(args, "draft_window", 0) or None,
     )
 
@@ -121,6 +130,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if getattr(args, "long_prompt", 1) < 1:
+        raise ValueError(f"--long-prompt must be >= 1 (prompt tokens), got {args.long_prompt}")
     tree_rows = getattr(args, "tree_rows", 0)  # "auto" (generate, compare) is checked by its parser
     if tree_rows != "auto" and tree_rows < 0:
         raise ValueError(f"--tree-rows must be >= 0 (0 = chains only), got {tree_rows}")
@@ -159,6 +170,8 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
     auto_trees = getattr(args, "tree_rows", 0) == "auto"
     if auto_trees:
         args.tree_rows = 0
+    args.trees_by_auto = auto_trees  # a draft model beside an EAGLE head (--drafter auto) keeps chains then
+    args.tree_max_context = AUTO_TREE_MAX_CONTEXT if auto_trees else None
     chunk_long_passes = False  # prefill products through the panel kernels in chunks: only where auto timed it faster
     screened_head = getattr(args, "greedy_lm_head", "screened") == "screened"
     if kernels != "dense":
@@ -213,7 +226,7 @@ def _auto_tree_rows(args: argparse.Namespace, choice) -> int:  # noqa: ANN001 - 
     row_cost = choice.row_cost("panel", AUTO_TREE_ROWS)
     if getattr(args, "temperature", 0) != 0 or choice.name != "panel" or args.drafter not in EAGLE_DRAFTERS or row_cost is None or row_cost > AUTO_TREE_MAX_ROW_COST:
         return 0
-    print(f"verispec: draft trees of {AUTO_TREE_ROWS} rows (--tree-rows auto: {AUTO_TREE_ROWS} rows timed at {row_cost:.2f}x one)", file=sys.stderr)
+    print(f"verispec: draft trees of {AUTO_TREE_ROWS} rows up to {AUTO_TREE_MAX_CONTEXT} tokens of context (--tree-rows auto: {AUTO_TREE_ROWS} rows timed at {row_cost:.2f}x one)", file=sys.stderr)
     return AUTO_TREE_ROWS
 
 
@@ -239,7 +252,7 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def model_options(sub: argparse.ArgumentParser) -> None:
-        _add_loading_options(sub, drafter="ngram+draft", gamma=STREAM_GAMMA, path_confidence=STREAM_PATH_CONFIDENCE, tree_auto=True)
+        _add_loading_options(sub, drafter="auto", gamma=STREAM_GAMMA, path_confidence=STREAM_PATH_CONFIDENCE, tree_auto=True)
         sub.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
         _add_sampling_options(sub)
         sub.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -293,9 +306,9 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DRAFTERS = ("draft-model", "ngram", "ngram+draft", "eagle", "ngram+eagle", "parallel", "none")
-EAGLE_DRAFTERS = ("eagle", "ngram+eagle")  # the drafters that load an EAGLE head
-MODEL_DRAFTERS = ("draft-model", "ngram+draft")  # the drafters that run --draft
+DRAFTERS = ("draft-model", "ngram", "ngram+draft", "eagle", "ngram+eagle", "auto", "parallel", "none")
+EAGLE_DRAFTERS = ("eagle", "ngram+eagle", "auto")  # the drafters that load an EAGLE head
+MODEL_DRAFTERS = ("draft-model", "ngram+draft", "auto")  # the drafters that run --draft
 
 
 def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-model", gamma: int = 6, path_confidence: float | None = None, tree_auto: bool = False) -> None:
@@ -308,7 +321,8 @@ def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-mod
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     sub.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
-    sub.add_argument("--drafter", choices=list(DRAFTERS), default=drafter, help=f"how drafts are made: a small draft model (draft-model), prompt lookup (ngram), prompt lookup on a 2+ token match and the draft model otherwise (ngram+draft), an EAGLE head (eagle, see --eagle-head), prompt lookup on a 2+ token match and the EAGLE head otherwise (ngram+eagle), a parallel head (parallel, see --parallel-head), or none (plain decoding); default {drafter}")
+    sub.add_argument("--drafter", choices=list(DRAFTERS), default=drafter, help=f"how drafts are made: a small draft model (draft-model), prompt lookup (ngram), prompt lookup on a 2+ token match and the draft model otherwise (ngram+draft), an EAGLE head (eagle, see --eagle-head), prompt lookup on a 2+ token match and the EAGLE head otherwise (ngram+eagle), ngram+draft for prompts shorter than --long-prompt tokens and ngram+eagle for longer ones (auto), a parallel head (parallel, see --parallel-head), or none (plain decoding); default {drafter}")
+    sub.add_argument("--long-prompt", type=int, default=DEFAULT_LONG_PROMPT, metavar="N", help=f"--drafter auto: prompts of N tokens or more (chat template included) are drafted by ngram+eagle, shorter ones by ngram+draft (default {DEFAULT_LONG_PROMPT})")
     sub.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for --drafter eagle (default <cache>/eagle/<target>/head.safetensors, made by `verispec eagle build`, else the head bundled for the target)")
     from verispec.parallel_cli import add_parallel_drafter_options
 
@@ -358,7 +372,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
 
 def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
     from verispec.bench.methods import DEFAULT_METHODS, METHOD_OPTIONS, METHODS, QUICK_METHODS
-    from verispec.bench.long_context import DEFAULT_LONG_LENGTHS, LONG_SPLITS
+    from verispec.bench.long_context import DEFAULT_LONG_LENGTHS, LONG_REQUESTS, LONG_SPLITS
     from verispec.bench.prompts import DEFAULT_SPEC_BENCH
     from verispec.far_memory_cli import add_far_memory_options
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -388,6 +402,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--set", dest="sets", default=None, metavar="SETS", help="prompt sets, comma list of humaneval, spec-bench, file, long (default humaneval,spec-bench; file when --prompts is given); long: stdlib modules cut to --lengths tokens with a request at the end, one category per length")
     bench.add_argument("--lengths", default=",".join(map(str, DEFAULT_LONG_LENGTHS)), metavar="N,M", help=f"--set long: prompt lengths in tokens, chat template included (default {','.join(map(str, DEFAULT_LONG_LENGTHS))})")
     bench.add_argument("--split", choices=LONG_SPLITS, default="eval", help="--set long: dev (for choosing --local-window etc.) or eval modules, disjoint (default eval)")
+    bench.add_argument("--long-request", choices=LONG_REQUESTS, default="rewrite", help="--set long: what is asked about the module's first function: rewrite it with type hints (an answer that copies much of the input; default) or explain it in words without its code (categories long-explain-<length>)")
     bench.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl", help='user prompts, one JSON object a line: {"id"?, "category"?, "prompt": str} or {..., "turns": [str, ...]}')
     bench.add_argument("--spec-bench", type=Path, default=DEFAULT_SPEC_BENCH, metavar="PATH", help=f"Spec-Bench questions (default {DEFAULT_SPEC_BENCH}, relative to the current directory)")
     bench.add_argument("--categories", default=None, metavar="A,B", help="comma list of categories to keep (e.g. humaneval,coding,rag)")
@@ -428,7 +443,9 @@ def _load(args: argparse.Namespace):
     plain = SpeculativeDecoder(target, screen_lm_head=screen)
     adaptive = gamma_is_adaptive(args.gamma_control, sampling)
     speculative = (
-        SpeculativeDecoder(target, drafter, gamma=args.gamma, adaptive_gamma=adaptive, screen_lm_head=screen, tree_rows=args.tree_rows) if drafter is not None else plain
+        SpeculativeDecoder(target, drafter, gamma=args.gamma, adaptive_gamma=adaptive, screen_lm_head=screen, tree_rows=args.tree_rows, tree_max_context=getattr(args, "tree_max_context", None))
+        if drafter is not None
+        else plain
     )
     return target, plain, speculative, sampling
 
@@ -451,7 +468,11 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
         torch.set_num_threads(args.threads)
     from verispec.parallel_cli import parallel_drafter_from_args, parallel_head_path, pair_fit_by_eagle
 
-    eagle_head = _eagle_head_path(args) if args.drafter in EAGLE_DRAFTERS or pair_fit_by_eagle(args) else None
+    plain_by_draft_none = args.drafter in MODEL_DRAFTERS and args.draft.lower() == "none"  # --draft none: plain decoding
+    eagle_head = _eagle_head_path(args) if (args.drafter in EAGLE_DRAFTERS and not plain_by_draft_none) or pair_fit_by_eagle(args) else None
+    if args.drafter == "auto" and eagle_head is None and not plain_by_draft_none:
+        print(f"verispec: no EAGLE head for {args.target}: --drafter auto drafts every prompt with ngram+draft", file=sys.stderr)
+        args.drafter = "ngram+draft"  # and is that drafter from here on (its trees, its name)
     parallel_head = parallel_head_path(args) if args.drafter == "parallel" else None
     started = time.perf_counter()
     target = load_model(args.target, cache_dir=args.cache_dir, dtype=target_dtype(args))
@@ -469,8 +490,12 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
         alternatives = tree_alternatives(getattr(args, "tree_rows", 0))
         drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args), path_confidence=EAGLE_PATH_CONFIDENCE, alternatives=alternatives)
-        if args.drafter == "ngram+eagle":
+        if args.drafter in ("ngram+eagle", "auto"):
             drafter = lookup_then_model(drafter)
+        if args.drafter == "auto":
+            from verispec.drafters.by_length import LengthSwitchDrafter
+
+            drafter = LengthSwitchDrafter(lookup_then_model(draft_model_settings(args).build(draft, name=args.draft)), drafter, args.long_prompt)
     else:
         drafter = None  # no drafter, or --draft none: plain decoding
         if args.drafter == "ngram":
@@ -483,10 +508,16 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
     return target, drafter
 
 
-def _eagle_head_path(args: argparse.Namespace) -> Path:
-    """The EAGLE head to load (--eagle-head or the default), checked to exist before minutes of model loading."""
+def _eagle_head_path(args: argparse.Namespace) -> Path | None:
+    """The EAGLE head to load (--eagle-head or the default), checked to exist before minutes of model
+    loading; None for --drafter auto when the target has none (it then drafts with the draft model)."""
     from verispec.drafters.eagle import existing_head_path
 
+    if getattr(args, "drafter", None) == "auto" and args.eagle_head is None:
+        try:
+            return existing_head_path(None, args.target, args.cache_dir)
+        except FileNotFoundError:
+            return None
     return existing_head_path(args.eagle_head, args.target, args.cache_dir)
 
 
@@ -499,10 +530,14 @@ def _encode(target, text: str, raw: bool) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from verispec.drafters.by_length import LengthSwitchDrafter
     from verispec.far_memory_cli import auto_attention_note
 
     target, _, decoder, sampling = _load(args)
     input_ids = _encode(target, args.prompt, args.raw)
+    if isinstance(decoder.drafter, LengthSwitchDrafter):
+        chosen = decoder.drafter.for_prompt(len(input_ids))
+        print(f"verispec: drafting with {chosen.name} (--drafter auto: a prompt of {len(input_ids)} tokens, --long-prompt {decoder.drafter.long_prompt_tokens})", file=sys.stderr)
     if (note := auto_attention_note(decoder.drafter, len(input_ids))) is not None:
         print(note, file=sys.stderr)
     stop = None if not args.stop else decoder.default_stop() + list(args.stop)
@@ -852,7 +887,7 @@ def _bench(args: argparse.Namespace) -> int:
         "num_prompts_per_category": per_set,
         "categories": args.categories,
         "spec_bench": str(args.spec_bench) if "spec-bench" in per_set else None,
-        "long": {"lengths": args.lengths, "split": args.split} if "long" in per_set else None,
+        "long": {"lengths": args.lengths, "split": args.split, "request": args.long_request} if "long" in per_set else None,
         "far_memory": {"local_window": args.local_window, "memory_temperature": args.memory_temperature, "memory_weight": args.memory_weight},
         "prompts_file": str(args.prompts) if args.prompts else None,
         "multi_turn": args.multi_turn,
@@ -953,7 +988,7 @@ def _bench_prompts(args: argparse.Namespace, preset: _BenchPreset, tokenizer=Non
         "humaneval": lambda: humaneval_prompts(),
         "spec-bench": lambda: spec_bench_prompts(args.spec_bench),
         "file": lambda: prompts_from_file(args.prompts),
-        "long": lambda: long_context_prompts(tokenizer, lengths, args.split, per_length=None) if tokenizer is not None else [],
+        "long": lambda: long_context_prompts(tokenizer, lengths, args.split, per_length=None, request=args.long_request) if tokenizer is not None else [],
     }
     every = {s: loaded[s]() for s in sets}
     if categories is not None:

@@ -27,6 +27,10 @@ def add_far_memory_options(sub: argparse.ArgumentParser, *, with_mode: bool = Tr
 def auto_attention_note(drafter, prompt_length: int) -> str | None:  # noqa: ANN001 - any Drafter
     """What ``generate`` tells a user whose prompt made "auto" leave the head's trained attention;
     None when it did not (or the drafter has no head)."""
+    from verispec.drafters.by_length import LengthSwitchDrafter
+
+    if isinstance(drafter, LengthSwitchDrafter):
+        drafter = drafter.for_prompt(prompt_length)
     far_memory = getattr(drafter, "far_memory", None) or getattr(getattr(drafter, "fallback", None), "far_memory", None)
     resolved = far_memory.for_prompt(prompt_length) if far_memory is not None and far_memory.mode == "auto" else None
     if resolved is None:

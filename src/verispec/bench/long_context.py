@@ -5,6 +5,9 @@ reads well, and requests that make the answer reach back to the start of the inp
 Each prompt is the first part of a module in a fenced block, then a request about the first
 function defined in it (or a summary when the cut holds none), as one chat user turn cut so
 that the whole templated prompt is ``length`` tokens (within a few tokens: the cut is re-encoded).
+Two kinds of request (``LONG_REQUESTS``): ``rewrite`` the function with type hints (an answer that
+copies much of the input: prompt lookup's case) or ``explain`` it in words without its code (an
+answer that mostly does not).
 
 Modules: every stdlib ``.py`` file (tests excluded, sorted) of at least ``MIN_MODULE_CHARS``
 characters (enough source for 16K tokens), minus data tables; every third one (0, 3, 6, ...) is
@@ -21,6 +24,7 @@ from typing import Any
 from verispec.bench.prompts import Prompt
 
 LONG_SPLITS = ("dev", "eval")
+LONG_REQUESTS = ("rewrite", "explain")
 DEFAULT_LONG_LENGTHS = (512, 2048, 4096, 8192)
 MIN_MODULE_CHARS = 70_000
 # Not code (data tables), or seen by the built-in EAGLE head in training (pieces of _pyio.py, corpus seed 0).
@@ -62,10 +66,15 @@ def long_context_prompts(
     split: str = "eval",
     per_length: int | None = 2,
     root: Path | None = None,
+    request: str = "rewrite",
 ) -> list[Prompt]:
-    """``per_length`` prompts (None: one per module of the split) at each length; category ``long-<length>``."""
+    """``per_length`` prompts (None: one per module of the split) at each length; category
+    ``long-<length>`` (``long-explain-<length>`` for the explain request)."""
     from verispec.models import encode_prompt
 
+    if request not in LONG_REQUESTS:
+        raise ValueError(f"--long-request must be one of {', '.join(LONG_REQUESTS)}, got {request!r}")
+    kind = "long" if request == "rewrite" else f"long-{request}"
     modules = long_context_modules(split, root)
     if per_length is not None:
         modules = modules[:per_length]
@@ -76,22 +85,27 @@ def long_context_prompts(
         for length in lengths:
             body_tokens = length
             for _ in range(_CUT_ATTEMPTS):
-                text = _prompt_text(name, tokenizer.decode(source_ids[: max(body_tokens, 1)]))
+                text = _prompt_text(name, tokenizer.decode(source_ids[: max(body_tokens, 1)]), request)
                 error = len(encode_prompt(tokenizer, text)) - length
                 if error == 0 or (body_tokens > len(source_ids) and error < 0):  # exact, or the module is used up
                     break
                 body_tokens -= error
-            prompts.append(Prompt(id=f"long/{name}@{length}", category=f"long-{length}", text=text))
+            prompts.append(Prompt(id=f"{kind}/{name}@{length}", category=f"{kind}-{length}", text=text))
     return prompts
 
 
-def _prompt_text(module: str, body: str) -> str:
+def _prompt_text(module: str, body: str, request: str = "rewrite") -> str:
     function = _FIRST_DEF.search(body)
-    if function is not None:
-        request = (
+    if function is None:
+        ask = "Summarize what the code above does and list the names it defines."
+    elif request == "explain":
+        ask = (
+            f"Explain in plain words what the function `{function.group(1)}` defined above does and how it is used "
+            "in this module. Do not repeat its code."
+        )
+    else:
+        ask = (
             f"Rewrite the function `{function.group(1)}` defined above with full type hints and a docstring "
             "that explains its parameters. Show only the rewritten function."
         )
-    else:
-        request = "Summarize what the code above does and list the names it defines."
-    return f"Here is the beginning of the Python standard library module `{module}`:\n\n```python\n{body}\n```\n\n{request}"
+    return f"Here is the beginning of the Python standard library module `{module}`:\n\n```python\n{body}\n```\n\n{ask}"

@@ -1,0 +1,43 @@
+"""One drafter for short prompts, another for long ones, chosen once per request by the prompt's length.
+
+Why: which drafter decodes fastest depends on the input's length. On HumanEval-sized prompts
+(~150-500 tokens) lookup + draft model leads; from 2K tokens up lookup + EAGLE head decoded in
+less time on every length and request type measured (README, Performance, 2026-12-06): the draft
+model's steps cost ~3x the head's and its window sees only the last part of a long input, while
+the head reads every target feature it is handed.
+
+The choice is made in :meth:`LengthSwitchDrafter.start` and the request keeps that drafter's
+session to its end, so each request is decoded exactly as that drafter alone decodes it (same
+proposals, same verification: the output stays the target's).
+"""
+
+from __future__ import annotations
+
+from verispec.drafters.base import Drafter, DraftSession
+from verispec.sampling import SamplingParams
+
+
+class LengthSwitchDrafter:
+    """``short`` for prompts of fewer than ``long_prompt_tokens`` tokens, ``long`` for the others."""
+
+    def __init__(self, short: Drafter, long: Drafter, long_prompt_tokens: int) -> None:
+        if isinstance(long_prompt_tokens, bool) or not isinstance(long_prompt_tokens, int) or long_prompt_tokens < 1:
+            raise ValueError(f"long_prompt_tokens must be an integer >= 1, got {long_prompt_tokens!r}")
+        self.short, self.long, self.long_prompt_tokens = short, long, long_prompt_tokens
+        # The engine decides once per request whether to hand over target features, before the
+        # choice: hand them whenever either drafter reads them (a session that does not ignores them).
+        self.needs_target_features = short.needs_target_features or long.needs_target_features
+        self.name = f"{short.name}, {long.name} from {long_prompt_tokens} prompt tokens"
+        short_tokenizer, long_tokenizer = getattr(short, "tokenizer", None), getattr(long, "tokenizer", None)
+        if short_tokenizer is not None and long_tokenizer is not None:
+            from verispec.models import check_same_tokenizer
+
+            check_same_tokenizer(short_tokenizer, long_tokenizer, names=("short-prompt drafter", "long-prompt drafter"))
+        self.tokenizer = short_tokenizer or long_tokenizer  # the engine checks it against the target's
+
+    def for_prompt(self, prompt_length: int) -> Drafter:
+        """The drafter a prompt of ``prompt_length`` tokens gets."""
+        return self.long if prompt_length >= self.long_prompt_tokens else self.short
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> DraftSession:
+        return self.for_prompt(len(prompt_ids)).start(prompt_ids, sampling)
