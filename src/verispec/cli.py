@@ -24,10 +24,11 @@ AUTO_TREE_MAX_ROW_COST = 1.15
 # 3% less time than chains at 2K / 4K / 8K tokens and in 6% more at 16K; the limit sits between.
 AUTO_TREE_MAX_CONTEXT = 12288
 # --drafter auto: prompts of at least this many tokens are drafted by lookup + EAGLE head, shorter
-# ones by lookup + draft model. Measured (README, Performance, 2026-12-06 (early morning)): the two tie at
-# 512 tokens and the draft model leads on HumanEval (~150-500); from 2,048 to 16K tokens lookup + head
-# decoded in less time in 7 of 8 (length, request) pairs, 2-22% less, and 2% more in the eighth.
-DEFAULT_LONG_PROMPT = 2048
+# ones by lookup + draft model. Measured (README, Performance, 2026-12-06 (early morning)): on
+# HumanEval (~150-500 tokens) the draft model leads, at 512 tokens the two are level (one request
+# type each way), and from 1,024 to 16K tokens lookup + head decoded in 2-31% less time in 9 of 10
+# (length, request) pairs and in 2% more in the tenth. Also the length the head was trained on.
+DEFAULT_LONG_PROMPT = 1024
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
 DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
 SHARED_PREFILL_MB = 4096  # bench --share-prefill without --prefix-cache-mb: an 8K prompt's keys, values and features take ~0.5 GB

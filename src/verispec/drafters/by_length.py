@@ -1,10 +1,10 @@
 """One drafter for short prompts, another for long ones, chosen once per request by the prompt's length.
 
 Why: which drafter decodes fastest depends on the input's length. On HumanEval-sized prompts
-(~150-500 tokens) lookup + draft model leads; from 2K tokens up lookup + EAGLE head decoded in
-less time on every length and request type measured (README, Performance, 2026-12-06): the draft
-model's steps cost ~3x the head's and its window sees only the last part of a long input, while
-the head reads every target feature it is handed.
+(~150-500 tokens) lookup + draft model leads; from 1K tokens up lookup + EAGLE head decoded in
+less time in 9 of the 10 (length, request) pairs measured (README, Performance, 2026-12-06 (early
+morning)): a draft model step costs ~3x a head step here, and its window sees only the last
+part of a long input, while the head reads every target feature it is handed.
 
 The choice is made in :meth:`LengthSwitchDrafter.start` and the request keeps that drafter's
 session to its end, so each request is decoded exactly as that drafter alone decodes it (same
