@@ -182,6 +182,10 @@ def test_cli_tree_rows_default_matches_the_engine_and_is_validated(capsys):
     from verispec.engine.decoder import DEFAULT_TREE_ROWS
 
     assert cli.DEFAULT_TREE_ROWS == DEFAULT_TREE_ROWS
+    from verispec.drafters.by_length import DEFAULT_LONG_PROMPT
+    from verispec.engine.decoder import LONG_CONTEXT_TREE_LIMIT
+
+    assert (cli.AUTO_TREE_MAX_CONTEXT, cli.DEFAULT_LONG_PROMPT) == (LONG_CONTEXT_TREE_LIMIT, DEFAULT_LONG_PROMPT)
     for bad, message in (("-1", "must be >= 0 (0 = chains only), got -1"), ("x", "must be 'auto' or an integer, got 'x'"), ("8.5", "must be 'auto' or an integer, got '8.5'")):
         with pytest.raises(SystemExit):  # argparse refuses it, naming the option
             cli.main(["generate", "hi", "--tree-rows", bad])

@@ -19,16 +19,10 @@ DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not import
 # Performance, 2026-12-05 (noon)); the draft model's trees measured no faster, so it drafts chains.
 AUTO_TREE_ROWS = 8
 AUTO_TREE_MAX_ROW_COST = 1.15
-# ... and only while the sequence is shorter than this: a spare row's attention grows with the
-# context. Lookup + EAGLE on long inputs (Performance, 2026-12-06 (early morning)): trees decoded in 12% / 5% /
-# 3% less time than chains at 2K / 4K / 8K tokens and in 6% more at 16K; the limit sits between.
-AUTO_TREE_MAX_CONTEXT = 12288
-# --drafter auto: prompts of at least this many tokens are drafted by lookup + EAGLE head, shorter
-# ones by lookup + draft model. Measured (README, Performance, 2026-12-06 (early morning)): on
-# HumanEval (~150-500 tokens) the draft model leads, at 512 tokens the two are level (one request
-# type each way), and from 1,024 to 16K tokens lookup + head decoded in 2-31% less time in 9 of 10
-# (length, request) pairs and in 2% more in the tenth. Also the length the head was trained on.
-DEFAULT_LONG_PROMPT = 1024
+# ... and only while the sequence is shorter than this (a spare row's attention grows with the context).
+AUTO_TREE_MAX_CONTEXT = 12288  # = verispec.engine.decoder.LONG_CONTEXT_TREE_LIMIT (not imported: --help loads no torch; a test checks)
+# --drafter auto: lookup + EAGLE head from this many prompt tokens, lookup + draft model below.
+DEFAULT_LONG_PROMPT = 1024  # = verispec.drafters.by_length.DEFAULT_LONG_PROMPT (not imported either; a test checks)
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
 DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
 SHARED_PREFILL_MB = 4096  # bench --share-prefill without --prefix-cache-mb: an 8K prompt's keys, values and features take ~0.5 GB

@@ -48,6 +48,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("eagle-auto", "ours", False, "EAGLE head as generate/serve run it by default: as trained up to 1,024 prompt tokens, eagle-local past them (--draft-attention auto)"),
         MethodSpec("eagle-local-adaptive", "ours", False, "eagle-local, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle-fold-adaptive", "ours", False, "eagle-fold, 0..gamma drafts a round (adaptive_gamma)"),
+        MethodSpec("auto", "ours", True, f"generate's default drafter: ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM_PATH_CONFIDENCE} below 1,024 prompt tokens, ngram+eagle-adaptive:gamma={STREAM_GAMMA}:path=0.2:attention=auto from there; with :tree=N the head's rounds verify trees while the sequence is under 12,288 tokens"),
         MethodSpec("parallel", "ours", False, "parallel head (--parallel-head): a block of K drafts from one pass, top-1 per position"),
         MethodSpec("parallel-corrected", "ours", False, f"parallel head + contextual correction: {PARALLEL_CANDIDATES} candidates a position (:cand=M), best path by pair fit"),
         MethodSpec("parallel-corrected-eagle", "ours", False, "parallel-corrected with the pair fit scored by the EAGLE head (--eagle-head): one step per candidate, the candidate as the token one step ahead"),
@@ -58,8 +59,9 @@ METHODS: dict[str, MethodSpec] = {
 }
 # Method names that draft with an EAGLE head (the bench loads one when any is asked for).
 EAGLE_HEAD_PREFIXES = ("eagle", "ngram+eagle")
-EAGLE_HEAD_METHODS = ("parallel-corrected-eagle",)  # other methods that read one
-# What `generate` and `compare` run by default, as a bench method.
+EAGLE_HEAD_METHODS = ("parallel-corrected-eagle", "auto")  # other methods that read one
+# What `generate` and `compare` run by default for a prompt below 1,024 tokens, as a bench method
+# (`auto` switches to the EAGLE head from there, as they do).
 STREAM_DEFAULT_METHOD = f"ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM_PATH_CONFIDENCE}"
 # The full run: every method but ngram-adaptive (lookup drafts cost nothing, so adapting their
 # number changes little) and fixed-gamma ngram+draft, plus the generate/compare default, to keep
@@ -68,7 +70,7 @@ STREAM_DEFAULT_METHOD = f"ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM
 DEFAULT_METHODS = tuple(
     STREAM_DEFAULT_METHOD if name == "ngram+draft-adaptive" else name
     for name in METHODS
-    if name not in ("ngram-adaptive", "ngram+draft") and not name.startswith((*EAGLE_HEAD_PREFIXES, "parallel"))
+    if name not in ("ngram-adaptive", "ngram+draft", "auto") and not name.startswith((*EAGLE_HEAD_PREFIXES, "parallel"))
 )
 QUICK_METHODS = ("plain", "draft-model", "ngram")  # --quick: the baseline and our two drafters
 REFERENCE_METHODS = ("plain", "hf-plain")  # speed-up baselines and identical-output references, in order of preference
@@ -81,8 +83,8 @@ _EAGLE_METHODS = ("eagle", "eagle-adaptive", "ngram+eagle", "ngram+eagle-adaptiv
 _PARALLEL_METHODS = ("parallel", "parallel-corrected", "parallel-corrected-eagle")
 _CORRECTED_METHODS = ("parallel-corrected", "parallel-corrected-eagle")
 _ATTENTION_METHODS = _EAGLE_METHODS + _PARALLEL_METHODS  # heads whose attention over long inputs is a setting (eagle-local etc. fix it)
-_TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + _PARALLEL_METHODS  # drafters offering runner-ups
-_PATH_METHODS = _TREE_METHODS  # drafters with the path stop rule
+_TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + _PARALLEL_METHODS + ("auto",)  # drafters offering runner-ups
+_PATH_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + _PARALLEL_METHODS  # drafters with the path stop rule (auto fixes generate's)
 
 
 @dataclass(frozen=True)
@@ -342,7 +344,7 @@ def build_method(
     from verispec.drafters import lookup_then_model
     from verispec.drafters.draft_model import DraftModelSettings, tree_alternatives
     from verispec.engine import SpeculativeDecoder
-    from verispec.engine.decoder import DEFAULT_TREE_ROWS
+    from verispec.engine.decoder import DEFAULT_TREE_ROWS, LONG_CONTEXT_TREE_LIMIT
 
     gamma = variant.gamma if variant.gamma is not None else gamma
     settings = draft_settings if draft_settings is not None else DraftModelSettings()
@@ -370,6 +372,7 @@ def build_method(
         return OursMethod(label, SpeculativeDecoder(target, screen_lm_head=screen_lm_head, prefix_cache=target_prefixes), [target_prefixes] if target_prefixes is not None else [])
     adaptive = {"adaptive_gamma": True} if name.endswith("-adaptive") else {}
     model_drafter = None  # the draft model (its prefix cache is the method's too)
+    tree_max_context = None  # bench trees run at every length unless the method is generate's default
     if name.startswith("draft-model"):
         drafter = model_drafter = settings.build(draft, name=draft.name)
     elif name.startswith(EAGLE_HEAD_PREFIXES):
@@ -400,11 +403,35 @@ def build_method(
     elif name.startswith("ngram+"):
         model_drafter = settings.build(draft, name=draft.name)
         drafter = lookup_then_model(model_drafter)
+    elif name == "auto":
+        drafter, model_drafter = _auto_drafter(target, draft, eagle_head, head_quantize, far_memory, settings, tree_rows)
+        gamma, adaptive = variant.gamma or STREAM_GAMMA, {"adaptive_gamma": True}
+        tree_max_context = LONG_CONTEXT_TREE_LIMIT  # generate's trees end there too
     else:
         drafter = lookup_drafter(variant.tune)
-    decoder = SpeculativeDecoder(target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, tree_rows=tree_rows, prefix_cache=target_prefixes, **adaptive)
+    decoder = SpeculativeDecoder(
+        target, drafter, gamma=gamma, screen_lm_head=screen_lm_head, tree_rows=tree_rows, prefix_cache=target_prefixes, tree_max_context=tree_max_context, **adaptive
+    )
     caches = [cache for cache in (target_prefixes, getattr(model_drafter, "prefix_cache", None)) if cache is not None]
     return OursMethod(label, decoder, caches)
+
+
+def _auto_drafter(target: Any, draft: Any, eagle_head: Any | None, head_quantize: bool, far_memory: Any | None, settings: Any, tree_rows: int) -> tuple[Any, Any]:
+    """(``--drafter auto`` as ``generate`` builds it, its draft model): lookup + draft model (path stop
+    STREAM_PATH_CONFIDENCE, chains) below DEFAULT_LONG_PROMPT prompt tokens, lookup + EAGLE head
+    (path stop EAGLE_PATH_CONFIDENCE, attention auto, runner-ups for ``tree_rows``) from there."""
+    from verispec.drafters import LengthSwitchDrafter, lookup_then_model
+    from verispec.drafters.by_length import DEFAULT_LONG_PROMPT
+    from verispec.drafters.draft_model import tree_alternatives
+    from verispec.drafters.eagle import EagleDrafter
+    from verispec.drafters.eagle.drafter import EAGLE_PATH_CONFIDENCE
+
+    if eagle_head is None:
+        raise ValueError("method 'auto' needs an EAGLE head for its long prompts (--eagle-head PATH, or the bundled head)")
+    model_drafter = replace(settings, path_confidence=STREAM_PATH_CONFIDENCE, alternatives=0).build(draft, name=draft.name)
+    attention = replace(far_memory or FarMemoryConfig(), mode="auto")
+    head = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=attention, path_confidence=EAGLE_PATH_CONFIDENCE, alternatives=tree_alternatives(tree_rows))
+    return LengthSwitchDrafter(lookup_then_model(model_drafter), lookup_then_model(head), DEFAULT_LONG_PROMPT), model_drafter
 
 
 def lookup_drafter(tune: int | None) -> Any:
