@@ -15,9 +15,11 @@ from typing import Any, Protocol
 
 import torch
 
+from verispec.drafters.by_length import DEFAULT_LONG_PROMPT
 from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
 from verispec.drafters.far_memory import ATTENTION_MODES, FarMemoryConfig
 from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
+from verispec.engine.decoder import LONG_CONTEXT_TREE_LIMIT
 from verispec.sampling import SamplingParams
 
 
@@ -48,7 +50,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("eagle-auto", "ours", False, "EAGLE head as generate/serve run it by default: as trained up to 1,024 prompt tokens, eagle-local past them (--draft-attention auto)"),
         MethodSpec("eagle-local-adaptive", "ours", False, "eagle-local, 0..gamma drafts a round (adaptive_gamma)"),
         MethodSpec("eagle-fold-adaptive", "ours", False, "eagle-fold, 0..gamma drafts a round (adaptive_gamma)"),
-        MethodSpec("auto", "ours", True, f"generate's default drafter: ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM_PATH_CONFIDENCE} below 1,024 prompt tokens, ngram+eagle-adaptive:gamma={STREAM_GAMMA}:path=0.2:attention=auto from there; with :tree=N the head's rounds verify trees while the sequence is under 12,288 tokens"),
+        MethodSpec("auto", "ours", True, f"generate's default drafter: ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM_PATH_CONFIDENCE} below {DEFAULT_LONG_PROMPT:,} prompt tokens, ngram+eagle-adaptive:gamma={STREAM_GAMMA}:path=0.2:attention=auto from there; with :tree=N the head's rounds verify trees while the sequence is under {LONG_CONTEXT_TREE_LIMIT:,} tokens"),
         MethodSpec("parallel", "ours", False, "parallel head (--parallel-head): a block of K drafts from one pass, top-1 per position"),
         MethodSpec("parallel-corrected", "ours", False, f"parallel head + contextual correction: {PARALLEL_CANDIDATES} candidates a position (:cand=M), best path by pair fit"),
         MethodSpec("parallel-corrected-eagle", "ours", False, "parallel-corrected with the pair fit scored by the EAGLE head (--eagle-head): one step per candidate, the candidate as the token one step ahead"),
@@ -344,7 +346,7 @@ def build_method(
     from verispec.drafters import lookup_then_model
     from verispec.drafters.draft_model import DraftModelSettings, tree_alternatives
     from verispec.engine import SpeculativeDecoder
-    from verispec.engine.decoder import DEFAULT_TREE_ROWS, LONG_CONTEXT_TREE_LIMIT
+    from verispec.engine.decoder import DEFAULT_TREE_ROWS
 
     gamma = variant.gamma if variant.gamma is not None else gamma
     settings = draft_settings if draft_settings is not None else DraftModelSettings()
@@ -421,7 +423,6 @@ def _auto_drafter(target: Any, draft: Any, eagle_head: Any | None, head_quantize
     STREAM_PATH_CONFIDENCE, chains) below DEFAULT_LONG_PROMPT prompt tokens, lookup + EAGLE head
     (path stop EAGLE_PATH_CONFIDENCE, attention auto, runner-ups for ``tree_rows``) from there."""
     from verispec.drafters import LengthSwitchDrafter, lookup_then_model
-    from verispec.drafters.by_length import DEFAULT_LONG_PROMPT
     from verispec.drafters.draft_model import tree_alternatives
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.eagle.drafter import EAGLE_PATH_CONFIDENCE
