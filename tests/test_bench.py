@@ -220,7 +220,7 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     )
     assert bench_methods.STREAM_DEFAULT_METHOD in bench_methods.DEFAULT_METHODS
     assert bench_methods.method_spec("hf-lookup").family == "hf"
-    # auto: generate's default, as its CLI builds it — the draft model below 1,024 prompt tokens
+    # auto: generate's default, as its CLI builds it — the draft model below 512 prompt tokens
     # (the stream's path stop, chains), the head from there (its path stop, attention auto, trees
     # with :tree=N that end at LONG_CONTEXT_TREE_LIMIT tokens).
     from verispec.drafters.by_length import DEFAULT_LONG_PROMPT, LengthSwitchDrafter
@@ -229,7 +229,7 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
 
     auto = bench_methods.build_method("auto:tree=8", model, model, gamma=4, eagle_head=eagle, draft_settings=DraftModelSettings(path_confidence=0.2))
     switch = auto.decoder.drafter
-    assert isinstance(switch, LengthSwitchDrafter) and switch.long_prompt_tokens == DEFAULT_LONG_PROMPT == 1024
+    assert isinstance(switch, LengthSwitchDrafter) and switch.long_prompt_tokens == DEFAULT_LONG_PROMPT == 512
     assert (switch.short.fallback.path_confidence, switch.short.fallback.alternatives) == (STREAM_PATH_CONFIDENCE, 0)
     assert switch.long.fallback.path_confidence == EAGLE_PATH_CONFIDENCE and switch.long.fallback.far_memory.mode == "auto"
     assert switch.long.fallback.alternatives == 2 and auto.decoder.tree_rows == 8 and auto.decoder.tree_max_context == LONG_CONTEXT_TREE_LIMIT

@@ -152,7 +152,7 @@ def test_one_stream_commands_default_to_the_measured_fastest_setting():
     for command in ("generate", "compare"):
         args = _build_parser().parse_args([command, "x"])
         # auto: ngram+draft below --long-prompt tokens (the fastest measured on HumanEval), ngram+eagle from there.
-        assert (args.drafter, args.long_prompt, args.gamma, args.draft_path_confidence) == ("auto", 1024, STREAM_GAMMA, STREAM_PATH_CONFIDENCE)
+        assert (args.drafter, args.long_prompt, args.gamma, args.draft_path_confidence) == ("auto", 512, STREAM_GAMMA, STREAM_PATH_CONFIDENCE)
         assert _build_parser().parse_args([command, "--draft-path-confidence", "0", "x"]).draft_path_confidence == 0.0  # 0 = off
     serve = _build_parser().parse_args(["serve"])
     assert (serve.drafter, serve.gamma, serve.draft_path_confidence) == ("draft-model", 6, None)

@@ -22,7 +22,7 @@ AUTO_TREE_MAX_ROW_COST = 1.15
 # ... and only while the sequence is shorter than this (a spare row's attention grows with the context).
 AUTO_TREE_MAX_CONTEXT = 12288  # = verispec.engine.decoder.LONG_CONTEXT_TREE_LIMIT (not imported: --help loads no torch; a test checks)
 # --drafter auto: lookup + EAGLE head from this many prompt tokens, lookup + draft model below.
-DEFAULT_LONG_PROMPT = 1024  # = verispec.drafters.by_length.DEFAULT_LONG_PROMPT (not imported either; a test checks)
+DEFAULT_LONG_PROMPT = 512  # = verispec.drafters.by_length.DEFAULT_LONG_PROMPT (not imported either; a test checks)
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)
 DEFAULT_PREFIX_CACHE_MB = 1024  # = verispec.engine.prefix_cache.DEFAULT_PREFIX_CACHE_MB (not imported either; a test checks)
 SHARED_PREFILL_MB = 4096  # bench --share-prefill without --prefix-cache-mb: an 8K prompt's keys, values and features take ~0.5 GB

@@ -1,10 +1,11 @@
 """One drafter for short prompts, another for long ones, chosen once per request by the prompt's length.
 
-Why: which drafter decodes fastest depends on the input's length. On HumanEval-sized prompts
-(~150-500 tokens) lookup + draft model leads; from 1K tokens up lookup + EAGLE head decoded in
-less time in 9 of the 10 (length, request) pairs measured (README, Performance, 2026-12-06 (early
-morning)): a draft model step costs ~3x a head step here, and its window sees only the last
-part of a long input, while the head reads every target feature it is handed.
+Why: which drafter decodes fastest depends on the input's length. On short prompts (HumanEval,
+108-147 tokens) lookup + draft model leads; from 512 tokens up lookup + EAGLE head decoded in less
+time in 12 of the 14 groups measured (README, Performance, 2026-12-06 (early morning)): the draft
+model reads the prompt itself before its first draft (the head catches up over target features it
+is handed), a draft model step costs ~3x a head step here, and its window sees only the last
+part of a long input.
 
 The choice is made in :meth:`LengthSwitchDrafter.start` and the request keeps that drafter's
 session to its end, so each request is decoded exactly as that drafter alone decodes it (same
@@ -17,11 +18,11 @@ from verispec.drafters.base import Drafter, DraftSession
 from verispec.sampling import SamplingParams
 
 # Where `--drafter auto` switches from lookup + draft model to lookup + EAGLE head. Measured (README,
-# Performance, 2026-12-06 (early morning)): on HumanEval (~150-500 tokens) the draft model leads, at
-# 512 tokens the two are level (one request type each way), and from 1,024 to 16K tokens lookup +
-# head decoded in 2-31% less time in 9 of 10 (length, request) pairs and in 2% more in the tenth.
-# Also the length the head was trained on.
-DEFAULT_LONG_PROMPT = 1024
+# Performance, 2026-12-06 (early morning)): below 512 tokens the draft model leads (HumanEval, 108-147
+# tokens; Spec-Bench extraction, 187-385); from 512 on lookup + head decoded in less time in 12 of 14
+# (length, request) or Spec-Bench category groups — 2-31% less, Spec-Bench rag (671-805 tokens) 20%
+# less — and in 2-3% more in the other two (rewrite at 512, explain at 16K).
+DEFAULT_LONG_PROMPT = 512
 
 
 class LengthSwitchDrafter:
