@@ -20,7 +20,7 @@ DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not import
 AUTO_TREE_ROWS = 8
 AUTO_TREE_MAX_ROW_COST = 1.15
 # ... and only while the sequence is shorter than this (a spare row's attention grows with the context).
-AUTO_TREE_MAX_CONTEXT = 12288  # = verispec.engine.decoder.LONG_CONTEXT_TREE_LIMIT (not imported: --help loads no torch; a test checks)
+AUTO_TREE_MAX_CONTEXT = 10240  # = verispec.engine.decoder.LONG_CONTEXT_TREE_LIMIT (not imported: --help loads no torch; a test checks)
 # --drafter auto: lookup + EAGLE head from this many prompt tokens, lookup + draft model below.
 DEFAULT_LONG_PROMPT = 512  # = verispec.drafters.by_length.DEFAULT_LONG_PROMPT (not imported either; a test checks)
 DEFAULT_DRAFT_WINDOW = 1024  # --draft-window (tokens of the prompt the draft model sees; README, Performance)

@@ -30,9 +30,9 @@ from verispec.sampling import SamplingParams, logits_to_probs
 _NO_DRAFT = Proposal(tokens=[], probs=None)
 DEFAULT_TREE_ROWS = 0  # off: measured no faster on HumanEval (README, Performance, "one-level draft trees")
 # tree_max_context for 8-row trees where rows are nearly free (what `--tree-rows auto` uses): trees
-# decoded in 12% / 5% / 3% less time than chains at 2K / 4K / 8K tokens and in 6% more at 16K
-# (README, Performance, 2026-12-06 (early morning)); the limit sits between.
-LONG_CONTEXT_TREE_LIMIT = 12288
+# decoded in 12% / 5% / 3% less time than chains at 2K / 4K / 8K tokens and in 7% / 6% more at 12K /
+# 16K (README, Performance, 2026-12-06 (early morning)); the limit sits between 8K and 12K.
+LONG_CONTEXT_TREE_LIMIT = 10240
 
 
 @dataclass
