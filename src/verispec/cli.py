@@ -165,8 +165,7 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
     auto_trees = getattr(args, "tree_rows", 0) == "auto"
     if auto_trees:
         args.tree_rows = 0
-    args.trees_by_auto = auto_trees  # a draft model beside an EAGLE head (--drafter auto) keeps chains then
-    args.tree_max_context = AUTO_TREE_MAX_CONTEXT if auto_trees else None
+    args.trees_by_auto = auto_trees  # then a draft model keeps chains (--drafter auto's too) and trees end at AUTO_TREE_MAX_CONTEXT
     chunk_long_passes = False  # prefill products through the panel kernels in chunks: only where auto timed it faster
     screened_head = getattr(args, "greedy_lm_head", "screened") == "screened"
     if kernels != "dense":
@@ -437,8 +436,9 @@ def _load(args: argparse.Namespace):
     screen = args.greedy_lm_head == "screened"
     plain = SpeculativeDecoder(target, screen_lm_head=screen)
     adaptive = gamma_is_adaptive(args.gamma_control, sampling)
+    tree_max_context = AUTO_TREE_MAX_CONTEXT if getattr(args, "trees_by_auto", False) else None  # --tree-rows auto's trees end there
     speculative = (
-        SpeculativeDecoder(target, drafter, gamma=args.gamma, adaptive_gamma=adaptive, screen_lm_head=screen, tree_rows=args.tree_rows, tree_max_context=getattr(args, "tree_max_context", None))
+        SpeculativeDecoder(target, drafter, gamma=args.gamma, adaptive_gamma=adaptive, screen_lm_head=screen, tree_rows=args.tree_rows, tree_max_context=tree_max_context)
         if drafter is not None
         else plain
     )

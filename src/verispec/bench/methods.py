@@ -62,8 +62,8 @@ METHODS: dict[str, MethodSpec] = {
 # Method names that draft with an EAGLE head (the bench loads one when any is asked for).
 EAGLE_HEAD_PREFIXES = ("eagle", "ngram+eagle")
 EAGLE_HEAD_METHODS = ("parallel-corrected-eagle", "auto")  # other methods that read one
-# What `generate` and `compare` run by default for a prompt below 1,024 tokens, as a bench method
-# (`auto` switches to the EAGLE head from there, as they do).
+# What `generate` and `compare` run by default for a prompt below DEFAULT_LONG_PROMPT tokens, as a
+# bench method (`auto` switches to the EAGLE head from there, as they do).
 STREAM_DEFAULT_METHOD = f"ngram+draft-adaptive:gamma={STREAM_GAMMA}:path={STREAM_PATH_CONFIDENCE}"
 # The full run: every method but ngram-adaptive (lookup drafts cost nothing, so adapting their
 # number changes little) and fixed-gamma ngram+draft, plus the generate/compare default, to keep
