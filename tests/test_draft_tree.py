@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
 from test_eagle import trained_head  # noqa: F401 - a fixture
 from tiny_models import noisy_copy, tiny_config, tiny_target
 from transformers import Qwen2ForCausalLM
@@ -12,7 +13,7 @@ from verispec.drafters import DraftModel
 from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.draft_model import DraftModelSession
 from verispec.engine import SpeculativeDecoder
-from verispec.engine.decoder import accepted_branch, pick_branches
+from verispec.engine.decoder import accepted_branch, pick_branches, verify_tree
 from verispec.engine.lean_lm import target_lm
 from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.sampling import SamplingParams
@@ -109,19 +110,67 @@ def test_pick_and_accept_branches():
         Proposal(tokens=[7], probs=None, alternatives=[(1, 3, 0.5)])
 
 
-def test_draft_model_offers_runner_ups_when_greedy_only():
+def test_draft_model_offers_runner_ups_greedy_and_sampling():
     draft = DraftModel(noisy_copy(tiny_target(), noise=0.3), alternatives=2, lean=False)
     prompt = list(range(3, 12))
     greedy = draft.start(prompt, SamplingParams()).propose(DraftContext(prompt), 4, torch.Generator())
     assert len(greedy.alternatives) == 2 * len(greedy.tokens)
     for index, token, score in greedy.alternatives:
         assert token != greedy.tokens[index] and 0 < score <= 1
-    sampled = draft.start(prompt, SamplingParams(temperature=1.0)).propose(DraftContext(prompt), 4, torch.Generator().manual_seed(0))
-    assert sampled.alternatives == []
+    # Sampling: the runner-ups are q_draft's best other tokens, none of them cut by top-k.
+    sampling = SamplingParams(temperature=1.0, top_k=2)
+    sampled = draft.start(prompt, sampling).propose(DraftContext(prompt), 4, torch.Generator().manual_seed(0))
+    assert [index for index, _, _ in sampled.alternatives] == list(range(len(sampled.tokens)))  # top-2 leaves one other
+    for index, token, score in sampled.alternatives:
+        assert token != sampled.tokens[index] and sampled.probs[index, token] > 0 and 0 < score <= 1
     with pytest.raises(ValueError, match="alternatives"):
         DraftModel(tiny_target(), alternatives=-1)
     # Off by default: no runner-ups (and no softmax spent on them) unless trees ask for them.
     assert DraftModel(draft.model).start(prompt, SamplingParams()).propose(DraftContext(prompt), 4, torch.Generator()).alternatives == []
+
+
+def test_sampled_tree_verification_follows_the_target_and_takes_branches():
+    # Two drafts from q_draft, the two best other tokens of q_draft offered beside each. The target:
+    # p0 for the first token, then P2[x1] after x1 (a chain row when x1 is the draft, the branch's
+    # own row when it is a branch). The first token must follow p0, and the second (when a pass
+    # emits one) P2[x1], whether it came after an accepted draft or after a taken branch.
+    vocab, runs = 6, 6000
+    generator = torch.Generator().manual_seed(5)
+    sampling = SamplingParams(temperature=1.0)
+    p0 = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
+    second = torch.softmax(torch.randn(vocab, vocab, generator=generator) * 1.5, -1)  # [x1, vocab]: P2[x1]
+    third = torch.softmax(torch.randn(vocab, generator=generator), -1)
+    # The first draft's law: p0 flattened, so the residual after a rejection sits on p0's best
+    # tokens, which are q_draft's runner-ups: branches are often taken.
+    q_draft = torch.stack([torch.softmax(0.4 * p0.log(), -1), torch.softmax(torch.randn(vocab, generator=generator), -1)])  # [2, vocab]
+    first_tokens, pairs, branch_taken = [], [], 0
+    for _ in range(runs):
+        drafts = torch.multinomial(q_draft, 1, generator=generator)[:, 0].tolist()
+        branches = [(index + 1, token) for index in range(2) for token in _best_others(q_draft[index], drafts[index], 2)]
+        # A branch at row 1 stands for x1 = token (next: P2[token]); at row 2 for x2 = token (next: third).
+        branch_rows = [second[token] if row == 1 else third for row, token in branches]
+        logits = torch.stack([p0, second[drafts[0]], third]).log()  # [3, vocab]: the chain's rows
+        asked: list[int] = []
+        output, num_accepted, kept = verify_tree(drafts, q_draft, logits, lambda number: asked.append(number) or branch_rows[number].log(), branches, sampling, generator)
+        assert asked == ([] if kept is None else [kept])  # a branch row's logits only when it is taken
+        if kept is not None:
+            branch_taken += 1
+            assert branches[kept][0] == num_accepted + 1 and output[num_accepted] == branches[kept][1]
+            assert len(output) == num_accepted + 2
+        first_tokens.append(output[0])
+        if len(output) >= 2:
+            pairs.append((output[0], output[1]))
+    assert branch_taken > runs // 5
+    assert goodness_of_fit_pvalue(torch.bincount(torch.tensor(first_tokens), minlength=vocab).numpy(), p0.numpy()) > SIGNIFICANCE
+    observed = torch.zeros(vocab, vocab)
+    for x1, x2 in pairs:
+        observed[x1, x2] += 1
+    expected = observed.sum(1, keepdim=True) * second  # each first token's count times P2[x1]
+    assert goodness_of_fit_pvalue(observed.numpy(), expected.numpy()) > SIGNIFICANCE
+
+
+def _best_others(probs: torch.Tensor, drafted: int, count: int) -> list[int]:
+    return [token for token in probs.argsort(descending=True).tolist() if token != drafted][:count]
 
 
 def test_runner_ups_exclude_the_drafted_token_under_a_tie():
@@ -214,7 +263,7 @@ def test_tree_rows_auto_gives_an_eagle_head_trees_only_where_rows_are_nearly_fre
     assert rows_for("eagle", eight_rows=1.3) == 0  # extra rows cost: chains (an AVX2-only EPYC: ~7% a row)
     assert rows_for("eagle", name="packed") == 0  # trees need the panel kernels' fused stack
     assert rows_for("draft-model") == rows_for("ngram+draft") == 0  # its trees measured no faster
-    assert rows_for("eagle", temperature=0.7) == 0  # trees are greedy verification
+    assert rows_for("eagle", temperature=0.7) == 8  # sampled passes verify trees too
     assert KernelChoice("packed").row_cost("panel") is None  # nothing timed: no trees
     assert cli._auto_tree_rows(Namespace(drafter="eagle", temperature=0.0), KernelChoice("panel")) == 0
 
@@ -270,6 +319,11 @@ def test_eagle_draft_trees_stay_exact_and_hand_the_head_the_kept_branch_features
     # Chains only, the head offers no runner-ups (no softmax spent on them).
     chain = EagleDrafter(model, trained_head).start([5, 6, 7], SamplingParams())
     assert chain.propose(DraftContext([5, 6, 7], truth[:2], 0), 3, torch.Generator()).alternatives == []
+    # Sampling: q_draft's best other tokens, none outside its top-k.
+    sampled = drafter.start([5, 6, 7], SamplingParams(temperature=0.8, top_k=3)).propose(DraftContext([5, 6, 7], truth[:2], 0), 3, torch.Generator().manual_seed(1))
+    assert [index for index, _, _ in sampled.alternatives] == [index for index in range(len(sampled.tokens)) for _ in range(2)]
+    for index, token, score in sampled.alternatives:
+        assert token != sampled.tokens[index] and sampled.probs[index, token] > 0 and 0 < score <= 1
     with pytest.raises(ValueError, match="alternatives"):
         EagleDrafter(model, trained_head, alternatives=-1)
 
@@ -306,7 +360,7 @@ def test_parallel_runner_ups_are_the_other_candidates_scored_by_their_path(targe
     # A path the stop rule ended after its first draft offers runner-ups there only.
     drafts.lengths[0] = 1
     assert [(i, token) for i, token, _ in path_runner_ups(drafts, 0, 2)] == [(0, 11), (0, 12)]
-    # Greedy sessions offer them, sampling ones do not; bad counts are refused.
+    # Greedy and sampling sessions offer them (the path is a deterministic draft either way); bad counts are refused.
     head = ParallelHead(ParallelConfig.for_target(target.config, 24, block_size=3)).eval().requires_grad_(False)
     drafter = ParallelDrafter(target, head, candidates=1, correction=False, alternatives=2)
     with torch.no_grad():
@@ -314,6 +368,7 @@ def test_parallel_runner_ups_are_the_other_candidates_scored_by_their_path(targe
     context = DraftContext([5, 6, 7], features[:2], 0)
     greedy = drafter.start([5, 6, 7], SamplingParams()).propose(context, 3, torch.Generator())
     assert len(greedy.alternatives) == 2 * len(greedy.tokens) == 6
-    assert drafter.start([5, 6, 7], SamplingParams(temperature=1.0)).propose(context, 3, torch.Generator()).alternatives == []
+    sampled = drafter.start([5, 6, 7], SamplingParams(temperature=1.0)).propose(context, 3, torch.Generator())
+    assert sampled.probs is None and len(sampled.alternatives) == 2 * len(sampled.tokens) == 6
     with pytest.raises(ValueError, match="alternatives"):
         ParallelDrafter(target, head, alternatives=-1)

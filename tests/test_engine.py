@@ -13,6 +13,7 @@ from verispec import DraftModel, SamplingParams, SpeculativeDecoder, logits_to_p
 from verispec.drafters import DraftContext, NgramDrafter, Proposal
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from verispec.engine.gamma import AdaptiveGamma, StepCosts
+from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 
 PROMPTS = [[1, 2, 3], [7], [5, 17, 42, 9, 33, 60, 2, 11], list(range(10, 40))]
 
@@ -179,8 +180,9 @@ def _exact_first_two(model, prompt, sampling):
     return table
 
 
-def _sample_first_two(decoder, prompt, sampling, runs, max_new_tokens=2):
-    """Counts of the first two generated tokens # [SMALL_VOCAB, SMALL_VOCAB] over ``runs`` seeds, and the drafts accepted."""
+def _sample_first_two(decoder, prompt, sampling, runs, max_new_tokens=2, branches_kept=None):
+    """Counts of the first two generated tokens # [SMALL_VOCAB, SMALL_VOCAB] over ``runs`` seeds, and
+    the drafts accepted; ``branches_kept`` (a list) gets each run's kept draft-tree branches."""
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
     accepted = 0
     for seed in range(runs):
@@ -188,6 +190,8 @@ def _sample_first_two(decoder, prompt, sampling, runs, max_new_tokens=2):
         result = decoder.generate(prompt, max_new_tokens, params, stop=[])
         counts[result.token_ids[0], result.token_ids[1]] += 1
         accepted += result.stats.num_accepted
+        if branches_kept is not None:
+            branches_kept.append(result.stats.branches_accepted)
     return counts, accepted
 
 
@@ -242,6 +246,64 @@ def test_generated_tokens_follow_the_target_distribution(sampling, drafter_kind)
     decoder = SpeculativeDecoder(target, drafter, gamma=2, adaptive_gamma=adaptive)
     counts, accepted = _sample_first_two(decoder, prompt, sampling, RUNS, 3 if adaptive else 2)
     assert 0.1 * RUNS < accepted < RUNS  # the draft is neither always right nor always wrong
+    assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
+
+
+class _UniformDrafter:
+    """Drafts from a uniform q_draft and offers ``runner_ups`` beside every draft: against a peaked
+    target most drafts are rejected and the residual sits on the runner-ups, so the tree rule runs
+    in most passes (the real drafters' runner-ups are rescued far less often on tiny models)."""
+
+    name, needs_target_features = "uniform", False
+
+    def __init__(self, runner_ups: list[int]) -> None:
+        self.runner_ups = runner_ups
+
+    def start(self, prompt_ids, sampling):
+        return self
+
+    def propose(self, context, max_tokens, generator):
+        probs = torch.full((max_tokens, SMALL_VOCAB), 1 / SMALL_VOCAB)  # [k, vocab]
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        alternatives = [(index, token, 0.5) for index in range(max_tokens) for token in self.runner_ups if token != tokens[index]]
+        return Proposal(tokens, probs, alternatives=alternatives)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason="draft trees need the panel kernels' fused stack")
+@pytest.mark.parametrize(
+    ("sampling", "drafter_kind"),
+    [
+        (SamplingParams(temperature=1.0), "uniform"),
+        (SamplingParams(temperature=0.8, top_k=3), "uniform"),
+        (SamplingParams(temperature=1.0), "draft-model"),
+        (SamplingParams(temperature=0.9, top_k=4), "eagle"),
+        (SamplingParams(temperature=1.2, top_p=0.8), "parallel"),
+    ],
+    ids=["uniform", "uniform-top_k", "draft-model", "eagle", "parallel"],
+)
+def test_sampling_with_draft_trees_follows_the_target_distribution(sampling, drafter_kind):
+    # Runner-ups verified in spare rows of the pass: the recovered token is drawn through them, and
+    # a taken one's own row gives the token after it. The first two tokens must follow the target.
+    from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead
+
+    target = use_panel_kernels(tiny_target(seed=4, vocab_size=SMALL_VOCAB, sharpness=8.0))
+    prompt = [1, 3, 2, 1, 3, 2, 1]
+    expected = _exact_first_two(target, prompt, sampling)
+    torch.manual_seed(3)
+    drafter = {
+        "uniform": lambda: _UniformDrafter(expected.sum(1).argsort(descending=True)[:2].tolist()),  # the target's likeliest first tokens
+        "draft-model": lambda: DraftModel(noisy_copy(target, noise=0.5, seed=9), alternatives=2),
+        "eagle": lambda: EagleDrafter(target, _eagle_head(target), alternatives=2),
+        # A deterministic draft (the path), runner-ups from its other candidates.
+        "parallel": lambda: ParallelDrafter(target, ParallelHead(ParallelConfig.for_target(target.config, 16, block_size=2)).eval(), candidates=3, alternatives=2),
+    }[drafter_kind]()
+    decoder = SpeculativeDecoder(target, drafter, gamma=2, tree_rows=7)
+    kept: list[int] = []
+    counts, _ = _sample_first_two(decoder, prompt, sampling, RUNS, max_new_tokens=3, branches_kept=kept)
+    assert sum(kept) > (0.2 * RUNS if drafter_kind in ("uniform", "parallel") else 0)  # the runs took runner-ups
     assert goodness_of_fit_pvalue(counts.numpy(), expected.numpy()) > SIGNIFICANCE
 
 

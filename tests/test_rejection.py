@@ -5,6 +5,7 @@ import torch
 from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
 
 from verispec import SamplingParams, greedy_verify, logits_to_probs, rejection_sample
+from verispec.rejection import sample_through_candidates
 
 VOCAB = 12
 SAMPLES = 60_000
@@ -134,3 +135,57 @@ def test_bad_inputs_raise_clear_errors(mutate, message):
     d = q.argmax(-1)
     with pytest.raises(ValueError, match=message):
         rejection_sample(*mutate(d, q, p))
+
+
+# --- drawing the recovered token through a draft tree's runner-ups ------------------------------
+
+CANDIDATE_DRAWS = 20_000
+
+
+@pytest.mark.parametrize(
+    "candidates",
+    [[], [1], [1, 3], [3, 1, 0], [11, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]],
+    ids=["none", "one", "two", "three", "zero-mass-first", "all"],
+)
+def test_sampling_through_candidates_draws_exactly_from_the_distribution(candidates):
+    # Token 11 has no mass (as under top-k): offering it first must change nothing. Offering every
+    # token leaves nothing to draw afterwards: the last candidate with mass must then be certain.
+    generator = torch.Generator().manual_seed(11)
+    probs = _random_probs(generator, 1)[0]
+    probs[11] = 0.0
+    probs = probs / probs.sum()
+    offered = torch.tensor(candidates, dtype=torch.long)
+    drawn, taken_first = [], 0
+    for _ in range(CANDIDATE_DRAWS):
+        token, taken = sample_through_candidates(probs, offered, generator)
+        assert (taken is None) == (token not in candidates)
+        assert taken is None or candidates[taken] == token
+        taken_first += taken == 0
+        drawn.append(token)
+    assert _chi_square_pvalue(torch.tensor(drawn), probs) > SIGNIFICANCE
+    if candidates:  # the first candidate is taken exactly as often as its own probability
+        assert abs(taken_first / CANDIDATE_DRAWS - float(probs[candidates[0]])) < 4 * (0.25 / CANDIDATE_DRAWS) ** 0.5
+
+
+def test_sampling_through_candidates_renormalises_after_each_refusal():
+    # Without the renormalisation (accepting c_j with r(c_j) itself) the second candidate would come
+    # (1 - r(c_1)) times too rarely: 0.5 * 0.4 = 0.2 instead of 0.4 here.
+    probs = torch.tensor([0.5, 0.4, 0.1])
+    generator = torch.Generator().manual_seed(2)
+    second = sum(sample_through_candidates(probs, torch.tensor([0, 1]), generator)[0] == 1 for _ in range(CANDIDATE_DRAWS))
+    assert abs(second / CANDIDATE_DRAWS - 0.4) < 0.02
+
+
+@pytest.mark.parametrize(
+    ("candidates", "message"),
+    [
+        (torch.tensor([1.0]), "Long tensor"),
+        (torch.tensor([[1]]), "Long tensor"),
+        (torch.tensor([12]), r"token ids in \[0, 12\)"),
+        (torch.tensor([-1]), r"token ids in \[0, 12\)"),
+        (torch.tensor([2, 2]), "distinct"),
+    ],
+)
+def test_sampling_through_candidates_refuses_bad_candidates(candidates, message):
+    with pytest.raises(ValueError, match=message):
+        sample_through_candidates(torch.full((VOCAB,), 1 / VOCAB), candidates)

@@ -77,7 +77,7 @@ def _add_kernel_options(sub: argparse.ArgumentParser, path_confidence: float | N
         f"; auto (default): {AUTO_TREE_ROWS} for an EAGLE head (eagle, ngram+eagle) where --target-kernels auto picks the panel kernels and times an "
         f"{AUTO_TREE_ROWS}-row pass at most {AUTO_TREE_MAX_ROW_COST}x a 1-row one (rows nearly free), else 0"
     ) if tree_auto else f" (default {DEFAULT_TREE_ROWS})"
-    sub.add_argument("--tree-rows", type=tree_rows_value if tree_auto else int, default="auto" if tree_auto else DEFAULT_TREE_ROWS, metavar="N", help=f"greedy decoding with a draft model or an EAGLE head: verification passes of up to N rows, the spare ones filled with the drafter's runner-up tokens (a one-level draft tree: when the target rejects a draft but takes a runner-up, that token and the next are emitted too; exact, each row computed as the chain would). Needs a target on the panel kernels' fused stack; 0 = chains only{auto_trees}")
+    sub.add_argument("--tree-rows", type=tree_rows_value if tree_auto else int, default="auto" if tree_auto else DEFAULT_TREE_ROWS, metavar="N", help=f"decoding with a draft model, an EAGLE head or the parallel drafter, greedy or sampled: verification passes of up to N rows, the spare ones filled with the drafter's runner-up tokens (a one-level draft tree: when the target rejects a draft but takes a runner-up, that token and the next are emitted too; exact: each row is computed as the chain would, and when sampling the token replacing a rejected draft is drawn from the residual through the runner-ups). Needs a target on the panel kernels' fused stack; 0 = chains only{auto_trees}")
     sub.add_argument("--draft-confidence", type=float, default=None, metavar="P", help="stop drafting a round once the draft model gives its token less than probability P (e.g. 0.4); default: always draft gamma")
     default = f"default {path_confidence}" if path_confidence is not None else "default: off"
     sub.add_argument("--draft-path-confidence", type=float, default=path_confidence, metavar="P", help=f"stop drafting a round once the product of the draft model's probabilities of this round's tokens is below P (its own estimate that the whole draft is accepted); 0 = off; {default}")
@@ -215,10 +215,10 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
 
 
 def _auto_tree_rows(args: argparse.Namespace, choice) -> int:  # noqa: ANN001 - a KernelChoice
-    """--tree-rows auto: AUTO_TREE_ROWS for greedy drafting with an EAGLE head on the panel kernels
-    where the timed AUTO_TREE_ROWS-row pass costs at most AUTO_TREE_MAX_ROW_COST one-row passes, else 0."""
+    """--tree-rows auto: AUTO_TREE_ROWS for drafting with an EAGLE head (greedy or sampled) on the panel
+    kernels where the timed AUTO_TREE_ROWS-row pass costs at most AUTO_TREE_MAX_ROW_COST one-row passes, else 0."""
     row_cost = choice.row_cost("panel", AUTO_TREE_ROWS)
-    if getattr(args, "temperature", 0) != 0 or choice.name != "panel" or args.drafter not in EAGLE_DRAFTERS or row_cost is None or row_cost > AUTO_TREE_MAX_ROW_COST:
+    if choice.name != "panel" or args.drafter not in EAGLE_DRAFTERS or row_cost is None or row_cost > AUTO_TREE_MAX_ROW_COST:
         return 0
     print(f"verispec: draft trees of {AUTO_TREE_ROWS} rows up to {AUTO_TREE_MAX_CONTEXT} tokens of context (--tree-rows auto: {AUTO_TREE_ROWS} rows timed at {row_cost:.2f}x one)", file=sys.stderr)
     return AUTO_TREE_ROWS

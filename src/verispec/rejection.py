@@ -16,6 +16,11 @@ accept with probability p_target_i(x_i), otherwise sample from p_target_i with x
 
 Greedy decoding takes :func:`greedy_verify`, an exact argmax comparison that needs no
 randomness and no probability tensors.
+
+A one-level draft tree also offers runner-up tokens c_1..c_m for the rejected position; the
+recovered token is then drawn through them (:func:`sample_through_candidates`): accept c_j with
+probability r_j(c_j), where r_1 is the residual and r_{j+1} is r_j with c_j removed and
+renormalised, else sample the last r. That is still exactly a draw from the residual.
 """
 
 from __future__ import annotations
@@ -41,6 +46,26 @@ def rejection_sample(
     ``num_accepted[b]`` accepted drafts, then the recovered (or bonus) token, then -1s;
     ``num_accepted`` Long[batch] is in 0..k.
     """
+    num_accepted, p_next = accept_drafts(draft_tokens, draft_probs, target_probs, generator)
+    next_token = sample_from(p_next, generator)  # [batch]
+    batch, k = draft_tokens.shape
+    rows = torch.arange(batch)
+    output_tokens = torch.full((batch, k + 1), -1, dtype=torch.long)
+    positions = torch.arange(k + 1).expand(batch, k + 1)
+    output_tokens[:, :k] = torch.where(positions[:, :k] < num_accepted.unsqueeze(-1), draft_tokens, -1)
+    output_tokens[rows, num_accepted] = next_token
+    return output_tokens, num_accepted
+
+
+def accept_drafts(
+    draft_tokens: torch.Tensor,  # Long[batch, k]
+    draft_probs: torch.Tensor | None,  # Float[batch, k, vocab], or None for a deterministic draft
+    target_probs: torch.Tensor,  # Float[batch, k+1, vocab]
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accept/reject half of :func:`rejection_sample`: ``(num_accepted, p_next)``, num_accepted
+    Long[batch] in 0..k and p_next Float[batch, vocab] the law of the one extra token: the residual
+    norm(max(0, p_target - q_draft)) at the first rejection, p_target after the last draft."""
     _check_inputs(draft_tokens, draft_probs, target_probs)
     batch, k = draft_tokens.shape
     target_probs = target_probs.float()
@@ -72,13 +97,47 @@ def rejection_sample(
         residual_mass = residual.sum(-1, keepdim=True)
         use_residual = rejected.unsqueeze(-1) & (residual_mass > _RESIDUAL_EPS)
         p_next = torch.where(use_residual, residual / residual_mass.clamp(min=_RESIDUAL_EPS), p_next)
-    next_token = sample_from(p_next, generator)  # [batch]
+    return num_accepted, p_next
 
-    output_tokens = torch.full((batch, k + 1), -1, dtype=torch.long)
-    positions = torch.arange(k + 1).expand(batch, k + 1)
-    output_tokens[:, :k] = torch.where(positions[:, :k] < num_accepted.unsqueeze(-1), draft_tokens, -1)
-    output_tokens[rows, num_accepted] = next_token
-    return output_tokens, num_accepted
+
+def sample_through_candidates(
+    probs: torch.Tensor,  # Float[vocab]: the law to draw from (a residual, or p_target)
+    candidates: torch.Tensor,  # Long[m]: distinct tokens to offer first, in order (a tree's runner-ups)
+    generator: torch.Generator | None = None,
+) -> tuple[int, int | None]:
+    """Draw one token from ``probs``, offering ``candidates`` first; return (token, the index of
+    the candidate taken, or None when the token was drawn from what remained).
+
+    With r = probs normalised: accept c_j with probability
+
+        accept_prob_j = r(c_j) / (1 - sum_{i<j} r(c_i))      (r_j(c_j): r without c_1..c_{j-1})
+
+    at the first j whose uniform falls below it; when none does, draw from r with c_1..c_m removed.
+    P(token = c_1) = r(c_1), and given "not c_1" the rest draws from r without c_1, so the token is
+    distributed exactly as r, whichever candidates are offered (as long as they are chosen before
+    these uniforms are drawn). All m uniforms are drawn at once (the rule is vectorised).
+    """
+    if candidates.dim() != 1 or candidates.dtype != torch.long:
+        raise ValueError(f"candidates must be a Long tensor [m], got {candidates.dtype} {list(candidates.shape)}")
+    if len(candidates) and (candidates.min() < 0 or candidates.max() >= probs.shape[-1]):
+        raise ValueError(f"candidates must be token ids in [0, {probs.shape[-1]})")
+    if len(candidates.unique()) != len(candidates):
+        raise ValueError("candidates must be distinct tokens")
+    probs = probs.float()
+    total = probs.sum()
+    candidate_mass = probs[candidates] / total  # [m]: r(c_j)
+    mass_left = 1.0 - (candidate_mass.cumsum(0) - candidate_mass)  # [m]: 1 - sum_{i<j} r(c_i)
+    # Left mass ~0: r is (numerically) all on candidates already refused; the limit takes c_j.
+    accept_prob = torch.where(mass_left > _RESIDUAL_EPS, candidate_mass / mass_left.clamp(min=_RESIDUAL_EPS), torch.ones_like(candidate_mass))
+    accepted = torch.rand(len(candidates), generator=generator) < accept_prob  # [m]
+    if accepted.any():
+        taken = int(accepted.long().argmax())
+        return int(candidates[taken]), taken
+    remaining = probs.clone()
+    remaining[candidates] = 0.0
+    if remaining.sum() <= _RESIDUAL_EPS * total:  # all mass on the candidates: rounding refused the last one
+        return int(candidates[-1]), len(candidates) - 1
+    return int(sample_from(remaining[None] / remaining.sum(), generator)[0]), None
 
 
 def greedy_verify(

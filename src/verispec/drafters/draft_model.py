@@ -54,7 +54,7 @@ class DraftModel:
     half the head's bytes, the top candidates recomputed in int8; ~3 ms of a ~30 ms draft step here);
     ``"full"``: the int8 head. Sampling sessions always use the full head (they need every probability).
 
-    ``alternatives``: in greedy decoding, offer this many runner-up tokens per draft position
+    ``alternatives``: offer this many runner-up tokens per draft position
     (:attr:`Proposal.alternatives`, scored by the draft's probability of the path to them), which a
     decoder with ``tree_rows`` verifies as a one-level tree; 0 (default): none, and no work spent
     on them. Measured on HumanEval with the 0.5B draft: its second choice is the target's token at
@@ -228,17 +228,21 @@ def tree_alternatives(tree_rows: int) -> int:
 
 
 def runner_ups(
-    probs: torch.Tensor,  # [draft_vocab]: one greedy draft step's distribution
-    index: int,  # the drafted entry (its argmax)
+    probs: torch.Tensor,  # [draft_vocab]: one draft step's distribution (q_draft when sampling)
+    index: int,  # the drafted entry (the argmax, or the sampled one)
     count: int,  # runner-ups wanted
     vocab_ids: torch.Tensor | None,  # [draft_vocab] int64 token id of each entry; None: entry i is token i
+    sampled: bool = False,
 ) -> list[tuple[int, float]]:
     """(token id, probability) of the ``count`` most probable entries other than the drafted ``index``
     (excluded by index, not by rank: under a tie topk may rank another entry first): the
-    alternatives a greedy drafter offers for draft trees (:attr:`Proposal.alternatives`)."""
+    alternatives a drafter offers for draft trees (:attr:`Proposal.alternatives`). ``sampled``:
+    entries q_draft gives no mass (cut by top-k / top-p) are not offered, and none when the draft
+    vocabulary is too small to have others."""
+    count = min(count, probs.shape[-1] - 1)
     if count <= 0:
         return []
-    ranked = [other for other in probs.topk(count + 1).indices.tolist() if other != index]
+    ranked = [other for other in probs.topk(count + 1).indices.tolist() if other != index and not (sampled and probs[other] <= 0)]
     return [(other if vocab_ids is None else int(vocab_ids[other]), float(probs[other])) for other in ranked[:count]]
 
 
@@ -256,7 +260,7 @@ class DraftModelSession:
     ) -> None:
         self.lm = lm
         self.first_token = first_token
-        self.alternatives = alternatives if sampling.is_greedy else 0
+        self.alternatives = alternatives
         self.sampling = sampling
         self.confidence_threshold = confidence_threshold
         self.path_confidence = path_confidence
@@ -310,8 +314,8 @@ class DraftModelSession:
     def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float, torch.Tensor | None, list[tuple[int, float]]]:
         """The draft token from one step's logits # [draft_vocab], its probability (1.0 when greedy
         without stop rules: not needed), when sampling q_draft over the full vocabulary, and when
-        greedy with ``alternatives`` the next-best tokens with their probabilities (trees are
-        verified greedily only). One softmax serves the stop rules and the runner-ups."""
+        with ``alternatives`` the next-best tokens with their probabilities. One softmax serves
+        the stop rules and the runner-ups."""
         if self.sampling.is_greedy:
             index = int(logits.argmax())
             stop_rules = self.confidence_threshold is not None or self.path_confidence is not None
@@ -321,7 +325,8 @@ class DraftModelSession:
             return self._token_id(index), (float(probs[index]) if stop_rules else 1.0), None, self._runner_ups(probs, index)
         probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
         index = int(sample_from(probs, generator))
-        return self._token_id(index), float(probs[index]), full_vocab_probs(probs, self.vocab_ids, self.vocab_size), []
+        alternatives = runner_ups(probs, index, self.alternatives, self.vocab_ids, sampled=True)
+        return self._token_id(index), float(probs[index]), full_vocab_probs(probs, self.vocab_ids, self.vocab_size), alternatives
 
     def _runner_ups(self, probs: torch.Tensor, index: int) -> list[tuple[int, float]]:
         return runner_ups(probs, index, self.alternatives, self.vocab_ids)

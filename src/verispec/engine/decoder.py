@@ -9,7 +9,7 @@ scores it and all drafts, and every pass emits between 1 and gamma+1 tokens. Wit
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +24,8 @@ from verispec.engine.monitor import AcceptanceMonitor, AcceptanceSnapshot
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
 from verispec.modelref import unwrap_model
-from verispec.rejection import greedy_verify, rejection_sample
-from verispec.sampling import SamplingParams, logits_to_probs
+from verispec.rejection import accept_drafts, greedy_verify, rejection_sample, sample_through_candidates
+from verispec.sampling import SamplingParams, logits_to_probs, sample_from
 
 _NO_DRAFT = Proposal(tokens=[], probs=None)
 DEFAULT_TREE_ROWS = 0  # off: measured no faster on HumanEval (README, Performance, "one-level draft trees")
@@ -69,14 +69,16 @@ class SpeculativeDecoder:
     ``screen_lm_head``: greedy passes take the target LM head's argmax through an int8 screen where
     the target runs our float32 panel kernels (:mod:`verispec.models.screened_head`): the same tokens,
     ~20 ms less per pass of the 1.5B target here; False computes every logit in float32.
-    ``tree_rows``: greedy passes fill up to this many rows (the chain's included) with the drafter's
+    ``tree_rows``: passes fill up to this many rows (the chain's included) with the drafter's
     runner-up tokens (:attr:`Proposal.alternatives`, e.g. ``DraftModel(alternatives=2)``,
     ``EagleDrafter(alternatives=2)``; a drafter that offers none drafts chains as before; a
     feature-reading drafter is handed a kept branch row's feature where the rejected draft's
     stood), best-scored first, where the target runs the
     fused lean stack: a one-level draft tree. When the chain is rejected at a position where a
     runner-up is the target's token, that token and the target's next one are emitted too (exact:
-    each branch row is computed bit for bit as that token fed in the chain). 0: chains only.
+    each branch row is computed bit for bit as that token fed in the chain; when sampling, the
+    recovered token is drawn through the runner-ups standing there, still exactly from the
+    residual: :func:`~verispec.rejection.sample_through_candidates`). 0: chains only.
     ``tree_max_context``: draft trees only while the sequence is shorter than this many tokens, chains
     from there (None: no limit). Why: every spare row attends over the whole context, so its cost
     grows with the length while its gain (a kept runner-up, ~1 row in 10) does not: on a Zen 4 EPYC
@@ -188,8 +190,7 @@ class SpeculativeDecoder:
         stats = GenerationStats(prompt_tokens=len(prompt))
         target = target_lm(self.target, screen_lm_head=self.screen_lm_head, prefixes=self.prefix_cache)
         wants_features = bool(self.drafter is not None and self.drafter.needs_target_features)
-        # Draft trees: greedy passes only (the branch rule below is greedy verification).
-        tree_rows = min(self.tree_rows, target.max_branch_rows()) if sampling.is_greedy else 0
+        tree_rows = min(self.tree_rows, target.max_branch_rows())
         session = self.drafter.start(prompt, sampling) if self.drafter is not None else None
         tokens = list(prompt)
         controller = self._gamma_controller
@@ -223,16 +224,17 @@ class SpeculativeDecoder:
                     short_enough = self.tree_max_context is None or len(tokens) < self.tree_max_context
                     branches = pick_branches(proposal, tree_rows - len(drafts) - 1) if short_enough else []
                     if branches:
-                        forward = target.extend_branches([tokens[-1]] + drafts, branches, argmax_only=True)
-                        output, num_accepted = verify_drafts(drafts, None, forward.logits[: len(drafts) + 1], sampling, generator)
-                        kept = accepted_branch(num_accepted, output[-1], branches)
+                        # Sampling reads a branch row's logits only when its token is taken: not one LM head a row.
+                        forward = target.extend_branches([tokens[-1]] + drafts, branches, argmax_only=sampling.is_greedy, num_logits=None if sampling.is_greedy else len(drafts) + 1)
+                        branch_rows = forward.features[len(drafts) + 1 :]  # [m, hidden]
+                        branch_logits = (lambda number: forward.logits[len(drafts) + 1 + number]) if sampling.is_greedy else (lambda number: target.logits(branch_rows[number : number + 1])[0])
+                        output, num_accepted, kept = verify_tree(drafts, proposal.probs, forward.logits[: len(drafts) + 1], branch_logits, branches, sampling, generator)
                         stats.branches_verified += len(branches)
                         fed_rows = list(range(num_accepted + 1))  # rows of the pass whose tokens are now committed
-                        if kept is not None:  # the runner-up was the target's token: emit it and the target's next
-                            row = len(drafts) + 1 + kept
+                        if kept is not None:  # a runner-up was taken: it and the token after it were emitted
                             target.keep_branch(len(tokens) + len(drafts) + kept, len(tokens) + num_accepted)
-                            output, num_accepted = output + [int(forward.logits[row].argmax())], num_accepted + 1
-                            fed_rows.append(row)  # the branch row stands where the rejected draft's stood
+                            fed_rows.append(len(drafts) + 1 + kept)  # the branch row stands where the rejected draft's stood
+                            num_accepted += 1
                             stats.branches_accepted += 1
                         kept_features = forward.features[fed_rows] if wants_features else None
                     else:
@@ -275,6 +277,46 @@ def pick_branches(proposal: Proposal, spare_rows: int) -> list[tuple[int, int]]:
         return []
     best = sorted(proposal.alternatives, key=lambda alternative: -alternative[2])[:spare_rows]
     return [(index + 1, token) for index, token, _ in best]
+
+
+def verify_tree(
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,  # [k, vocab_draft] or None
+    target_logits: torch.Tensor,  # [k+1, vocab]: the chain's rows
+    branch_logits: Callable[[int], torch.Tensor],  # number -> [vocab]: the row of branches[number]
+    branches: list[tuple[int, int]],  # (row, token), as pick_branches gives them
+    sampling: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[list[int], int, int | None]:
+    """Verify a one-level draft tree: ``(emitted tokens, chain drafts accepted, kept branch)``.
+
+    The chain is verified as :func:`verify_drafts` does. At its first rejected draft the branches
+    standing there compete for the recovered token: greedy, the one equal to the target's argmax;
+    sampling, :func:`~verispec.rejection.sample_through_candidates` draws the recovered token from
+    the residual through them, best-scored first. A taken branch (its index in ``branches``) is
+    followed by the target's next token from its own row (``branch_logits``, asked for that row
+    only), so the tokens end ``[..accepted drafts, branch token, next]``; otherwise they are what
+    verify_drafts emits."""
+    k = len(draft_tokens)
+    if sampling.is_greedy:
+        output, num_accepted = verify_drafts(draft_tokens, None, target_logits, sampling, generator)
+        kept = accepted_branch(num_accepted, output[-1], branches)
+        if kept is None:
+            return output, num_accepted, None
+        return output + [int(branch_logits(kept).argmax())], num_accepted, kept
+    target_probs = logits_to_probs(target_logits, sampling)  # [k+1, vocab]
+    if draft_probs is not None:
+        draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])[None]
+    accepted, p_next = accept_drafts(torch.tensor([draft_tokens], dtype=torch.long), draft_probs, target_probs[None], generator)
+    num_accepted = int(accepted[0])
+    standing = [number for number, (row, _) in enumerate(branches) if row == num_accepted + 1] if num_accepted < k else []
+    candidates = torch.tensor([branches[number][1] for number in standing], dtype=torch.long)
+    token, taken = sample_through_candidates(p_next[0], candidates, generator)
+    output = draft_tokens[:num_accepted] + [token]
+    if taken is None:
+        return output, num_accepted, None
+    kept = standing[taken]
+    return output + [int(sample_from(logits_to_probs(branch_logits(kept), sampling)[None], generator)[0])], num_accepted, kept
 
 
 def accepted_branch(num_accepted: int, correction: int, branches: list[tuple[int, int]]) -> int | None:

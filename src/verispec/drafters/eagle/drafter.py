@@ -54,7 +54,7 @@ class EagleDrafter:
     ``path_confidence``: stop a round early once the product of the head's probabilities of this
     round's drafts falls below this (the draft model's rule, :func:`round_stops`): long rounds where
     the head is sure, short ones where it is not. Reads only the head's outputs, so still exact.
-    ``alternatives``: in greedy decoding, offer this many runner-up tokens per draft
+    ``alternatives``: offer this many runner-up tokens per draft
     (:attr:`Proposal.alternatives`, scored by the head's probability of the path to them), which a
     decoder with ``tree_rows`` verifies beside the chain as a one-level draft tree; 0 (default): none.
     """
@@ -128,6 +128,7 @@ class EagleSession:
                 index = int(sample_from(probs, generator))
                 token_prob = float(probs[index])
                 step_probs.append(full_vocab_probs(probs, drafter.vocab_ids, drafter.vocab_size))
+                alternatives += [(len(tokens), other, path_prob * prob) for other, prob in runner_ups(probs, index, drafter.alternatives, drafter.vocab_ids, sampled=True)]
             token = index if drafter.vocab_ids is None else int(drafter.vocab_ids[index])
             tokens.append(token)
             path_prob *= token_prob

@@ -67,7 +67,7 @@ class ParallelDrafter:
     one head pass). ``draft_vocab``: token ids the LM head is restricted to (a checkpoint brings its own).
     ``quantize=True``: int8 dynamic linears for a copy of the head and for its LM-head rows, as the
     EAGLE drafter offers (cheaper block passes; the drafts may differ, the output stays exact).
-    ``alternatives``: in greedy decoding, offer this many runner-up candidates per position
+    ``alternatives``: offer this many runner-up candidates per position
     (:attr:`Proposal.alternatives`, scored by q_draft of the drafted path before them times their
     own), which a decoder with ``tree_rows`` verifies beside the path as a one-level draft tree.
     ``corrector``: an EAGLE head (or its checkpoint) that scores the pair fit instead of the
@@ -126,7 +126,7 @@ class ParallelDrafter:
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "ParallelSession":
         far_memory = self.far_memory.for_prompt(len(prompt_ids)) if self.far_memory is not None else None
-        return ParallelSession(self, self.alternatives if sampling.is_greedy else 0, far_memory)  # trees are verified greedily only
+        return ParallelSession(self, self.alternatives, far_memory)
 
 
 @dataclass
