@@ -149,10 +149,8 @@ def test_sampled_tree_verification_follows_the_target_and_takes_branches():
         branches = [(index + 1, token) for index in range(2) for token in _best_others(q_draft[index], drafts[index], 2)]
         # A branch at row 1 stands for x1 = token (next: P2[token]); at row 2 for x2 = token (next: third).
         branch_rows = [second[token] if row == 1 else third for row, token in branches]
-        logits = torch.stack([p0, second[drafts[0]], third]).log()  # [3, vocab]: the chain's rows
-        asked: list[int] = []
-        output, num_accepted, kept = verify_tree(drafts, q_draft, logits, lambda number: asked.append(number) or branch_rows[number].log(), branches, sampling, generator)
-        assert asked == ([] if kept is None else [kept])  # a branch row's logits only when it is taken
+        logits = torch.stack([p0, second[drafts[0]], third, *branch_rows]).log()  # [3 + 4, vocab]
+        output, num_accepted, kept = verify_tree(drafts, q_draft, logits, branches, sampling, generator)
         if kept is not None:
             branch_taken += 1
             assert branches[kept][0] == num_accepted + 1 and output[num_accepted] == branches[kept][1]

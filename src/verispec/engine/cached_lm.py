@@ -119,13 +119,11 @@ class CachedLM:
         """The most rows :meth:`extend_branches` takes in one pass; 0: this LM runs no draft trees."""
         return 0
 
-    def extend_branches(self, new_ids: list[int], branches: list[tuple[int, int]], argmax_only: bool = False, num_logits: int | None = None) -> ForwardOutput:
+    def extend_branches(self, new_ids: list[int], branches: list[tuple[int, int]], argmax_only: bool = False) -> ForwardOutput:
         """Feed ``new_ids`` as :meth:`extend` does plus, in the same pass, one row per (index,
         token) in ``branches``: ``token`` as an alternative to ``new_ids[index]`` (index >= 1), seeing
-        what precedes that index. Logits for every row # [len(new_ids) + len(branches), vocab], or
-        for the first ``num_logits`` rows only (the others' from :meth:`logits` of their features
-        when needed). The branch rows' keys/values sit after the chain until :meth:`keep_branch`
-        moves one in place."""
+        what precedes that index. Logits for every row # [len(new_ids) + len(branches), vocab]. The
+        branch rows' keys/values sit after the chain until :meth:`keep_branch` moves one in place."""
         raise NotImplementedError(f"{type(self).__name__} runs no draft trees (max_branch_rows() is 0)")
 
     def keep_branch(self, branch_slot: int, position: int) -> None:

@@ -473,7 +473,7 @@ class LeanLM(CachedLM):
         return 0 if self.decoder.fused is None else self.decoder.fused.max_rows
 
     @torch.inference_mode()
-    def extend_branches(self, new_ids: list[int], branches: list[tuple[int, int]], argmax_only: bool = False, num_logits: int | None = None) -> ForwardOutput:
+    def extend_branches(self, new_ids: list[int], branches: list[tuple[int, int]], argmax_only: bool = False) -> ForwardOutput:
         start = len(self.token_ids)
         if not new_ids or any(not 1 <= index < len(new_ids) for index, _ in branches):
             raise ValueError(f"branch indices must be in [1, {len(new_ids)}) of a non-empty chain, got {[index for index, _ in branches]}")
@@ -482,7 +482,7 @@ class LeanLM(CachedLM):
         features = self.decoder.forward_branches(input_ids, self.cache, row_prefix)  # [n, hidden]
         self.token_ids.extend(input_ids.tolist())
         self.log_features(features)
-        return ForwardOutput(logits=self.logits(features[:num_logits], argmax_only), features=features)
+        return ForwardOutput(logits=self.logits(features, argmax_only), features=features)
 
     @torch.inference_mode()
     def keep_branch(self, branch_slot: int, position: int) -> None:
