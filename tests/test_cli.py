@@ -118,6 +118,17 @@ def test_bad_arguments_are_clear_errors(tiny_gguf, capsys, extra, message):
     assert "error:" in err and message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--long-prompts", "32"], "--long-prompts must be at least 64 tokens, got 32"), (["--concurrency", "0"], "must be >= 1")],
+)
+def test_loadtest_refuses_bad_options_before_connecting(capsys, extra, message):
+    # Port 9 (discard): nothing listens, so reaching the server would be a connection error instead.
+    assert main(["loadtest", "--url", "http://127.0.0.1:9", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_not_a_gguf_is_a_clear_error(tmp_path, capsys):
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"not a gguf at all")

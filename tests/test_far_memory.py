@@ -473,6 +473,22 @@ def fake_stdlib(tmp_path_factory):
     return root
 
 
+def test_load_test_long_texts_are_distinct_cuts_of_about_the_asked_size(fake_stdlib):
+    from verispec.bench.long_context import CHARS_PER_TOKEN, approximate_long_texts
+
+    texts = approximate_long_texts(14, 500, root=fake_stdlib)
+    assert len(set(texts)) == 14  # six modules, then the same ones from later lines
+    for index, text in enumerate(texts):
+        body = text.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        assert len(body) == int(500 * CHARS_PER_TOKEN)
+        assert f"module `mod{index % 6}.py`" in text and "Rewrite the function `function_" in text.rsplit("```", 1)[1]
+    # Request k // 6 of a module starts 40 lines further on: the prompts share no prefix beyond the template.
+    assert texts[0].split("```python\n", 1)[1].startswith('"""Module 0."""')
+    assert texts[6].split("```python\n", 1)[1].startswith("\ndef function_0_13(x):")  # line 40 of mod0.py
+    with pytest.raises(ValueError, match="count and approx_tokens must be >= 1"):
+        approximate_long_texts(0, 500, root=fake_stdlib)
+
+
 def test_long_prompts_have_the_requested_lengths_and_disjoint_splits(tiny_gguf, fake_stdlib):
     from verispec.bench.long_context import long_context_modules, long_context_prompts
     from verispec.models import encode_prompt, load_model

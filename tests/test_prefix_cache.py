@@ -351,6 +351,9 @@ def test_a_served_conversation_starts_each_turn_from_the_earlier_ones(tmp_path):
     result, metrics = served(64)
     assert result.requests == 6 and result.median_followup_ttft_s is not None and "turns 2+" in format_table([result])
     assert len(result.median_ttft_by_turn) == 3
+    low, middle, high = result.prompt_tokens  # the server's counts: later turns hold the conversation so far
+    assert 0 < low <= middle <= high and low < high
+    assert f"concurrency 2, prompt tokens per request (server usage): median {middle} (min {low}, max {high})" in format_table([result])
     assert f"concurrency 2, median TTFT (s) by turn: 1: {result.median_ttft_by_turn[0]:.2f}, 2: " in format_table([result])
     # Later turns restore the earlier turns (up to where the answer's text re-tokenizes differently).
     assert metrics["verispec_reused_prompt_tokens_total"] > 0.3 * metrics["verispec_prompt_tokens_total"]

@@ -360,6 +360,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     loadtest.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
     loadtest.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn (default 2)")
     loadtest.add_argument("--conversation", action="store_true", help="each client's requests are the turns of one chat: a HumanEval prompt, then the whole conversation so far plus a follow-up request; also reports the median time to first token of turns 2+ (what the server's --prefix-cache-mb saves) and of each turn")
+    loadtest.add_argument("--long-prompts", type=int, default=None, metavar="N", help="send long prompts instead of HumanEval's: Python standard-library modules cut to about N tokens (by characters, ~4.4 a token) with a request to rewrite a function of them, a different one for every request; the table then reports the prompt tokens the server counted")
     loadtest.add_argument("--api-key", default=None)
     loadtest.set_defaults(handler=_loadtest)
 
@@ -604,7 +605,14 @@ def _loadtest(args: argparse.Namespace) -> int:
     levels = _int_list(args.concurrency, "--concurrency")
     if not levels or min(levels) < 1 or args.max_tokens < 1 or args.requests_per_client < 1:
         raise ValueError("--concurrency levels, --max-tokens and --requests-per-client must be >= 1")
-    prompts = [p.text for p in humaneval_prompts()]
+    if args.long_prompts is not None and args.long_prompts < 64:
+        raise ValueError(f"--long-prompts must be at least 64 tokens, got {args.long_prompts}")
+    if args.long_prompts is not None:
+        from verispec.bench.long_context import approximate_long_texts
+
+        prompts = approximate_long_texts(max(levels) * args.requests_per_client, args.long_prompts)
+    else:
+        prompts = [p.text for p in humaneval_prompts()]
 
     async def run() -> list:
         model = await served_model(args.url, args.api_key)

@@ -31,6 +31,9 @@ MIN_MODULE_CHARS = 70_000
 _SKIPPED_MODULES = {"pydoc_data/topics.py", "html/entities.py", "_pyio.py"}
 _FIRST_DEF = re.compile(r"^\s*def (\w+)\(", re.MULTILINE)
 _CUT_ATTEMPTS = 4  # re-encoding a cut can merge or split tokens at the edge; a few corrections converge
+# Characters per token of stdlib source under the built-in target's tokenizer (Qwen2.5): 4.0-4.8 over
+# the first 60,000 characters of each long module (median ~4.4; 2026-12-06, one-off).
+CHARS_PER_TOKEN = 4.4
 
 
 def long_context_modules(split: str, root: Path | None = None) -> list[tuple[str, Path]]:
@@ -47,6 +50,23 @@ def long_context_modules(split: str, root: Path | None = None) -> list[tuple[str
             modules.append((name, path))
     dev = split == "dev"
     return [module for index, module in enumerate(modules) if (index % 3 == 0) == dev]
+
+
+def approximate_long_texts(count: int, approx_tokens: int, root: Path | None = None) -> list[str]:
+    """``count`` distinct long prompts (the rewrite request) of about ``approx_tokens`` tokens each,
+    cut by characters (CHARS_PER_TOKEN), so no tokenizer is needed: what ``verispec loadtest
+    --long-prompts`` sends (the server's usage then reports the exact counts). Prompt k reads module
+    k mod M of both splits, from line 40 * (k // M) on, so no two share more than the template."""
+    if count < 1 or approx_tokens < 1:
+        raise ValueError(f"count and approx_tokens must be >= 1, got {count} and {approx_tokens}")
+    modules = sorted(long_context_modules("dev", root) + long_context_modules("eval", root))
+    texts = []
+    for k in range(count):
+        name, path = modules[k % len(modules)]
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        body = "".join(lines[40 * (k // len(modules)) :])[: int(approx_tokens * CHARS_PER_TOKEN)]
+        texts.append(_prompt_text(name, body))
+    return texts
 
 
 def parse_lengths(text: str) -> list[int]:

@@ -36,6 +36,7 @@ class RequestTiming:
     tokens: int
     text: str = ""
     turn: int = 1
+    prompt_tokens: int | None = None  # as the server's usage counts them
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,14 @@ class LevelResult:
     requests: int
     median_followup_ttft_s: float | None = None  # conversations: turns 2+ only
     median_ttft_by_turn: tuple[float, ...] = ()  # conversations: turn 1, 2, ... (a window or a cache shows where turns grow long)
+    prompt_tokens: tuple[int, int, int] | None = None  # (min, median, max) over the requests, from the server's usage
 
 
 async def _one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int, turn: int = 1) -> RequestTiming:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     started = time.perf_counter()
-    ttft, tokens, text = None, 0, []
+    ttft, tokens, text, prompt_tokens = None, 0, [], None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}")
@@ -69,9 +71,9 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, messages
                 ttft = time.perf_counter() - started
             text += pieces
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"].get("prompt_tokens")
     latency = time.perf_counter() - started
-    return RequestTiming(latency, ttft if ttft is not None else latency, tokens, "".join(text), turn)
+    return RequestTiming(latency, ttft if ttft is not None else latency, tokens, "".join(text), turn, prompt_tokens)
 
 
 async def run_level(
@@ -106,7 +108,13 @@ async def run_level(
         requests=len(timings),
         median_followup_ttft_s=statistics.median(later) if (later := [t.ttft_s for t in timings if t.turn > 1]) else None,
         median_ttft_by_turn=_median_ttft_by_turn(timings) if conversation else (),
+        prompt_tokens=_spread([t.prompt_tokens for t in timings if t.prompt_tokens is not None]),
     )
+
+
+def _spread(values: list[int]) -> tuple[int, int, int] | None:
+    """(min, median, max) of ``values``, None when there are none."""
+    return (min(values), int(statistics.median(values)), max(values)) if values else None
 
 
 def _median_ttft_by_turn(timings: list[RequestTiming]) -> tuple[float, ...]:
@@ -132,6 +140,10 @@ def format_table(results: list[LevelResult]) -> str:
         if followups:
             line += " - |" if r.median_followup_ttft_s is None else f" {r.median_followup_ttft_s:.2f} |"
         lines.append(line)
+    for r in results:
+        if r.prompt_tokens is not None:
+            low, middle, high = r.prompt_tokens
+            lines.append(f"concurrency {r.concurrency}, prompt tokens per request (server usage): median {middle} (min {low}, max {high})")
     for r in results:
         if r.median_ttft_by_turn:
             by_turn = ", ".join(f"{turn}: {ttft:.2f}" for turn, ttft in enumerate(r.median_ttft_by_turn, 1))
