@@ -469,6 +469,58 @@ def test_batched_rows_hand_drafters_the_same_features_as_the_engine(target):
         assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-4)
 
 
+def test_admission_takes_waiting_requests_in_order_within_the_prefill_budget():
+    from verispec.serving.scheduler import admission_count
+
+    assert admission_count([900, 900, 900], room=8, prefill_budget=2048) == 2  # a third would pass 2,048
+    assert admission_count([3000, 10, 10], room=8, prefill_budget=2048) == 1  # the first always comes in
+    assert admission_count([10] * 50, room=32, prefill_budget=2048) == 32  # the batch's room bounds it too
+    assert admission_count([3000] * 5, room=4, prefill_budget=0) == 4  # 0: every request that fits
+    assert admission_count([], room=4, prefill_budget=2048) == admission_count([5], room=0, prefill_budget=2048) == 0
+    assert SchedulerConfig().prefill_budget == _build_serve_defaults().prefill_budget == 2048
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_budget must be an integer >= 0"):
+            SchedulerConfig(prefill_budget=bad)
+
+
+def _build_serve_defaults():
+    from verispec.cli import _build_parser
+
+    return _build_parser().parse_args(["serve"])
+
+
+@pytest.mark.parametrize("prefill_budget", [0, 30])
+def test_long_prompts_arriving_together_join_one_round_apart_within_the_budget(target, prefill_budget):
+    # A running request (its first round holds the scheduler inside its sink while three 20-token
+    # prompts queue up), then the three: with a 30-token budget each joins at its own round, so the
+    # first newcomer answers before the others are prefilled; with no budget all join at once.
+    log: list[str] = []
+    release = threading.Event()
+
+    def sink_of(name: str):
+        def sink(step):
+            log.append(name)
+            if name == "running" and not release.is_set():
+                release.wait(30)
+        return sink
+
+    scheduler = Scheduler(target.model, None, target.tokenizer, SchedulerConfig(prefill_budget=prefill_budget))
+    try:
+        scheduler.submit(GenerationRequest([5, 6, 7], 40, SamplingParams(), [], sink_of("running")))
+        while not log:
+            time.sleep(0.01)
+        for name in ("a", "b", "c"):
+            scheduler.submit(GenerationRequest(list(range(10, 30)), 3, SamplingParams(), [], sink_of(name)))
+        release.set()
+        while len(log) < 9 + 4:
+            time.sleep(0.01)
+    finally:
+        release.set()
+        scheduler.stop()
+    joined_at = [log[: log.index(name)].count("running") for name in ("a", "b", "c")]  # rounds of the running request before each first token
+    assert joined_at == ([2, 2, 2] if prefill_budget == 0 else [2, 3, 4])
+
+
 def test_gamma_policy_tapers_with_the_batch_and_refuses_bad_bounds():
     policy = BatchGammaPolicy(full_until=4, off_from=16)
     gammas = [policy.gamma_for(batch, 6) for batch in range(1, 20)]

@@ -344,6 +344,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     serve.add_argument("--model-id", default=None, help="the model name clients pass (default: --target as given)")
     serve.add_argument("--max-batch", type=int, default=32, help="requests decoded together; more wait (default 32)")
+    serve.add_argument("--prefill-budget", type=int, default=2048, metavar="TOKENS", help="prompt tokens prefilled between two decoding rounds (default 2048): waiting requests join in order until their prompts pass it, the first always, the rest at the next round, so running requests and the first newcomer emit tokens in between instead of waiting for every prefill (four ~2.3K-token prompts arriving together: median first token after 85 s instead of 166 s here); 0 = admit every waiting request at once")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
     serve.add_argument("--gamma-full-batch", type=int, default=BatchGammaPolicy.full_until, help=f"batches up to this size draft the full --gamma (default {BatchGammaPolicy.full_until}: requests speculating together draft together; measured on 2 CPU cores, README)")
     serve.add_argument("--gamma-off-batch", type=int, default=BatchGammaPolicy.off_from, help=f"batches of this size or more decode plainly, gamma 0 (default {BatchGammaPolicy.off_from}); gamma tapers in between")
@@ -583,7 +584,7 @@ def serve_config(args: argparse.Namespace):  # noqa: ANN201 - a ServeConfig (ver
     monitor = MonitorConfig(window=args.monitor_window, min_rounds=min(MonitorConfig.min_rounds, args.monitor_window), speedup_floor=args.speedup_floor)
     scheduler = SchedulerConfig(
         gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy, adaptive_gamma=args.gamma_control == "adaptive", monitor=monitor,
-        screen_lm_head=args.greedy_lm_head == "screened", lean_batching=args.batching == "lean", prefix_cache_mb=args.prefix_cache_mb,
+        screen_lm_head=args.greedy_lm_head == "screened", lean_batching=args.batching == "lean", prefix_cache_mb=args.prefix_cache_mb, prefill_budget=args.prefill_budget,
     )
     return ServeConfig(model_id=args.model_id or args.target, api_key=args.api_key, default_max_tokens=args.default_max_tokens, scheduler=scheduler)
 
