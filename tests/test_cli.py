@@ -169,6 +169,16 @@ def test_one_stream_commands_default_to_the_measured_fastest_setting():
     assert (serve.drafter, serve.gamma, serve.draft_path_confidence) == ("draft-model", 6, None)
 
 
+def test_prefill_budget_reaches_the_scheduler_and_a_bad_one_is_refused_before_loading(capsys):
+    from verispec.cli import _build_parser, serve_config
+
+    assert serve_config(_build_parser().parse_args(["serve", "--prefill-budget", "0"])).scheduler.prefill_budget == 0
+    assert serve_config(_build_parser().parse_args(["serve"])).scheduler.prefill_budget == 2048
+    assert main(["serve", "--target", "/nonexistent/model.gguf", "--prefill-budget", "-1"]) == 2  # refused before the model is looked for
+    err = capsys.readouterr().err
+    assert "prefill_budget must be an integer >= 0" in err and "does not exist" not in err and "Traceback" not in err
+
+
 def test_greedy_lm_head_option_reaches_every_decoder_and_keeps_the_text(tiny_gguf, capsys):
     from verispec.cli import _build_parser, serve_config
 
