@@ -20,6 +20,7 @@ DEFAULT_TREE_ROWS = 0  # = verispec.engine.decoder.DEFAULT_TREE_ROWS (not import
 AUTO_TREE_ROWS = 8
 AUTO_TREE_MAX_ROW_COST = 1.15
 # ... and only while the sequence is shorter than this (a spare row's attention grows with the context).
+DEFAULT_PREFILL_BUDGET = 2048  # = serving.scheduler.SchedulerConfig.prefill_budget (not imported: --help loads no torch; a test checks)
 AUTO_TREE_MAX_CONTEXT = 10240  # = verispec.engine.decoder.LONG_CONTEXT_TREE_LIMIT (not imported: --help loads no torch; a test checks)
 # --drafter auto: lookup + EAGLE head from this many prompt tokens, lookup + draft model below.
 DEFAULT_LONG_PROMPT = 512  # = verispec.drafters.by_length.DEFAULT_LONG_PROMPT (not imported either; a test checks)
@@ -344,7 +345,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     serve.add_argument("--model-id", default=None, help="the model name clients pass (default: --target as given)")
     serve.add_argument("--max-batch", type=int, default=32, help="requests decoded together; more wait (default 32)")
-    serve.add_argument("--prefill-budget", type=int, default=2048, metavar="TOKENS", help="prompt tokens prefilled between two decoding rounds (default 2048): waiting requests join in order until their prompts pass it, the first always, the rest at the next round, so running requests and the first newcomer emit tokens in between instead of waiting for every prefill (four ~2.3K-token prompts arriving together: median first token after 85 s instead of 166 s here); 0 = admit every waiting request at once")
+    serve.add_argument("--prefill-budget", type=int, default=DEFAULT_PREFILL_BUDGET, metavar="TOKENS", help=f"prompt tokens prefilled between two decoding rounds (default {DEFAULT_PREFILL_BUDGET}): waiting requests join in order until their prompts pass it, the first always, the rest at the next round, so running requests and the first newcomer emit tokens in between instead of waiting for every prefill (four ~2.3K-token prompts arriving together: median first token after 85 s instead of 166 s here); 0 = admit every waiting request at once")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
     serve.add_argument("--gamma-full-batch", type=int, default=BatchGammaPolicy.full_until, help=f"batches up to this size draft the full --gamma (default {BatchGammaPolicy.full_until}: requests speculating together draft together; measured on 2 CPU cores, README)")
     serve.add_argument("--gamma-off-batch", type=int, default=BatchGammaPolicy.off_from, help=f"batches of this size or more decode plainly, gamma 0 (default {BatchGammaPolicy.off_from}); gamma tapers in between")

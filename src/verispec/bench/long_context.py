@@ -59,13 +59,13 @@ def approximate_long_texts(count: int, approx_tokens: int, root: Path | None = N
     k mod M of both splits, from line 40 * (k // M) on, so no two share more than the template."""
     if count < 1 or approx_tokens < 1:
         raise ValueError(f"count and approx_tokens must be >= 1, got {count} and {approx_tokens}")
-    modules = sorted(long_context_modules("dev", root) + long_context_modules("eval", root))
+    modules = sorted(long_context_modules("dev", root) + long_context_modules("eval", root))[:count]
+    lines = [path.read_text(encoding="utf-8").splitlines(keepends=True) for _, path in modules]  # each module read once
     texts = []
     for k in range(count):
-        name, path = modules[k % len(modules)]
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        body = "".join(lines[40 * (k // len(modules)) :])[: int(approx_tokens * CHARS_PER_TOKEN)]
-        texts.append(_prompt_text(name, body))
+        module = k % len(modules)
+        body = "".join(lines[module][40 * (k // len(modules)) :])[: int(approx_tokens * CHARS_PER_TOKEN)]
+        texts.append(_prompt_text(modules[module][0], body))
     return texts
 
 
