@@ -512,6 +512,24 @@ def test_unrolled_fine_tuning_from_a_trained_head_improves_its_second_draft(targ
         TrainSettings(unroll_steps=0)
 
 
+def test_fine_tuning_keeps_the_start_heads_draft_vocabulary_when_asked(target, tmp_path):
+    loaded = LoadedModel(target, words_tokenizer(), "tiny", None)
+    extract_features(loaded, documents(30, seed=0), tmp_path / "first", ExtractSettings(max_tokens=1200), progress=False)
+    extract_features(loaded, documents(30, seed=5), tmp_path / "second", ExtractSettings(max_tokens=1200), progress=False)
+    base = TrainSettings(epochs=1, lr=1e-3, warmup_steps=1, tokens_per_step=400, intermediate_size=32, draft_vocab=24, checkpoint_every=50, validation_fraction=0.1)
+    train_head(target, tmp_path / "first", tmp_path / "start.safetensors", base, progress=False)
+    _, start_vocab = load_head(tmp_path / "start.safetensors", target)
+    vocab = {}
+    for keep in (False, True):
+        settings = TrainSettings(**{**base.__dict__, "init_from": str(tmp_path / "start.safetensors"), "keep_draft_vocab": keep})
+        train_head(target, tmp_path / "second", tmp_path / f"tuned-{keep}.safetensors", settings, progress=False)
+        vocab[keep] = load_head(tmp_path / f"tuned-{keep}.safetensors", target)[1]
+    assert torch.equal(vocab[True], start_vocab)
+    assert len(vocab[False]) == 24 and not torch.equal(vocab[False], start_vocab)  # counted on the second data
+    with pytest.raises(ValueError, match="keep_draft_vocab needs init_from"):
+        TrainSettings(keep_draft_vocab=True)
+
+
 def test_stdlib_corpus_is_real_python_without_the_evaluation_sets():
     docs = []
     for document in stdlib_documents(seed=0):
@@ -547,6 +565,97 @@ def test_coding_requests_come_as_instructions_and_humaneval_shaped_stubs():
             assert text.startswith("Write a Python function `")
     banned = [entry[len("def ") : -1] for entry in humaneval_entry_points()]
     assert not any(name.split(" ")[0].rsplit(".", 1)[1] in banned for name in names)
+
+
+def _fake_package(root, name, functions_per_module):
+    """A package directory of modules with documented functions, plus places the corpus must skip."""
+    package = root / name
+    for module, functions in functions_per_module.items():
+        path = package / f"{module}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f'def {function}(x, y):\n    """{summary}"""\n    return x\n\n\n' for function, summary in functions))
+    return package
+
+
+def test_package_requests_span_every_package_and_skip_tests_private_code_copies_and_humaneval_names(tmp_path):
+    import ast
+
+    summary = "Return the value of x after a long enough documented operation on y."
+    alpha = _fake_package(tmp_path, "alpha", {
+        "__init__": [("top", summary)],
+        "core": [(f"core_{n}", summary) for n in range(6)] + [("has_close_elements", summary), ("_private", summary), ("tiny", "Too short.")],
+        "tests/test_core": [("tested", summary)],
+        "_impl": [("hidden", summary)],
+        "models/a": [("rotate_half", summary)],
+        "models/b": [("rotate_half", summary)],  # a copy (same name and summary): once
+    })  # fmt: skip
+    long_summary = "A docstring far too long to ask the target about. " * 30
+    beta = _fake_package(tmp_path, "beta", {"util": [("beta_one", summary), ("beta_two", summary), ("beta_long", long_summary)]})
+    requests = list(coding_requests(seed=3, source="packages", packages={"alpha": alpha, "beta": beta}))
+    names = [name.removesuffix(" (stub)") for name, _ in requests]
+    half = len(requests) // 2
+    expected = {"alpha.top", "alpha.models.a.rotate_half", *(f"alpha.core.core_{n}" for n in range(6)), "beta.util.beta_one", "beta.util.beta_two"}
+    assert set(names[:half]) == expected and len(names) == 2 * len(expected)
+    assert names[:half] == names[half:]
+    # Taken from each package in turn: both of beta's functions are among the first four.
+    assert sum(name.startswith("beta.") for name in names[:4]) == 2
+    for name, text in requests:
+        if name.endswith(" (stub)"):
+            function = ast.parse(text).body[0]
+            assert name.split(" ")[0].endswith("." + function.name) and ast.get_docstring(function) == summary
+        else:
+            assert text == f"Write a Python function `{name.rsplit('.', 1)[1]}(x, y)`. {summary}"
+    assert requests == list(coding_requests(seed=3, source="packages", packages={"alpha": alpha, "beta": beta}))
+    assert names != [name.removesuffix(" (stub)") for name, _ in coding_requests(seed=4, source="packages", packages={"alpha": alpha, "beta": beta})]
+    with pytest.raises(ValueError, match="source must be one of stdlib, packages"):
+        next(coding_requests(source="site"))
+
+
+def test_length_sorted_sorts_each_window_and_keeps_every_request():
+    from verispec.drafters.eagle.corpus import length_sorted
+
+    requests = [(f"r{n}", "x" * length) for n, length in enumerate([5, 1, 3, 9, 2, 2, 7])]
+    assert list(length_sorted(requests, 3)) == [requests[1], requests[2], requests[0], requests[4], requests[5], requests[3], requests[6]]
+    assert list(length_sorted(iter(requests), 100)) == sorted(requests, key=lambda request: len(request[1]))
+    assert list(length_sorted(requests, 1)) == requests
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        list(length_sorted(requests, 0))
+
+
+def test_installed_packages_are_found_without_importing_them():
+    import subprocess
+    import sys
+
+    from verispec.drafters.eagle.corpus import PACKAGE_SOURCES, installed_packages, package_versions
+
+    found = installed_packages()
+    assert {"numpy", "torch", "transformers"} <= set(found) <= {name for name, _ in PACKAGE_SOURCES}
+    assert all((path / "__init__.py").is_file() for path in found.values())
+    versions = package_versions(found)
+    assert f"torch {torch.__version__.split('+')[0]}" in versions
+    # Found by path: listing them imports none that was not imported already.
+    script = "import sys; from verispec.drafters.eagle.corpus import installed_packages; before = set(sys.modules); installed_packages(); print(sorted(set(sys.modules) - before))"
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_answers_land_by_request_source_and_training_reads_every_default_directory(tmp_path):
+    import argparse
+
+    from verispec.eagle_cli import FEATURE_DIRS, REQUEST_SOURCES, _paths, default_feature_dirs
+    from verispec.drafters.eagle import corpus
+
+    assert REQUEST_SOURCES == corpus.REQUEST_SOURCES
+    args = argparse.Namespace(target="tiny", cache_dir=tmp_path, requests="packages")
+    features, answers, head = _paths(args)
+    assert (features.name, answers.name) == ("features", "answers-packages") and head.parent == features.parent
+    args.requests = "stdlib"
+    assert _paths(args)[1].name == "answers"
+    assert default_feature_dirs(features.parent) == []
+    for name in reversed(FEATURE_DIRS):
+        (features.parent / name).mkdir(parents=True)
+        (features.parent / name / "manifest.json").write_text("{}")
+    (features.parent / "answers-old").mkdir()
+    assert default_feature_dirs(features.parent) == [features.parent / name for name in ("features", "answers", "answers-packages")]
 
 
 def test_bfloat16_training_computes_the_same_objective_and_learns(target, tmp_path):

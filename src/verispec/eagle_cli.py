@@ -10,6 +10,12 @@ from pathlib import Path
 
 from verispec.argtypes import positive_int
 
+# Where `eagle extract` and `eagle answers` write under <cache>/eagle/<target>/, and what `eagle
+# train` and `parallel train` read by default (those that exist): stdlib sources, answers to stdlib
+# requests, answers to package requests. (corpus.REQUEST_SOURCES, not imported: --help loads nothing.)
+FEATURE_DIRS = ("features", "answers", "answers-packages")
+REQUEST_SOURCES = ("stdlib", "packages")
+
 
 def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
     eagle = commands.add_parser("eagle", help="EAGLE draft head: extract target features, train, evaluate")
@@ -18,7 +24,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
     def dtype_option(sub: argparse.ArgumentParser) -> None:
         from verispec.cli import add_target_dtype_option
 
-        add_target_dtype_option(sub, "precision the target runs in: float32 (default) or bfloat16 (features are stored in bfloat16 either way; a bfloat16 target makes them several times faster on CPUs with AVX512-BF16/AMX: measured here ~440 tokens/s for extract (vs ~64 in float32 earlier) and ~100 for answers in batches of 64, and a head trained on them drafts for either precision: the fingerprint reads the weights rounded to bfloat16)")
+        add_target_dtype_option(sub, "precision the target runs in: float32 (default) or bfloat16 (features are stored in bfloat16 either way; a bfloat16 target makes them several times faster on CPUs with AVX512-BF16/AMX: measured ~440 tokens/s for extract on a Xeon with AMX and ~110 on a Zen 4 EPYC (vs ~64 in float32) and ~100 for answers in batches of 64, and a head trained on them drafts for either precision: the fingerprint reads the weights rounded to bfloat16)")
 
     def sequence_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--max-seq-len", type=int, default=1024, help="tokens per training sequence at most (default 1024)")
@@ -31,6 +37,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--answer-tokens", type=int, default=60_000, help="tokens of requests + the target's own answers to record (default 60000: ~40 min for the built-in target, ~25 tokens/s in batches of 32)")
         sub.add_argument("--answer-batch", type=int, default=32, help="requests answered together (default 32; more is faster per token, up to memory)")
         sub.add_argument("--answer-max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
+        sub.add_argument("--requests", choices=REQUEST_SOURCES, default="stdlib", help="whose documented functions the requests are written from: stdlib (default; ~2,400 requests, into <cache>/eagle/<target>/answers) or packages (~15,000 from numpy, scipy, sympy, networkx, torch, transformers and other permissively licensed packages verispec installs, into .../answers-packages)")
 
     def train_options(sub: argparse.ArgumentParser) -> None:
         from verispec.drafters.eagle.train import PRECISIONS, TrainSettings
@@ -48,9 +55,10 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--unroll-steps", type=int, default=defaults.unroll_steps, help=f"drafting steps trained on: S > 1 also trains steps 2..S on the head's own predicted features, as drafting feeds them (training-time test; each step costs about one more pass; default {defaults.unroll_steps})")
         sub.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto", help="precision of the training's matrix products (weights and optimiser stay float32): auto (default) = bfloat16 where the CPU has AVX512-BF16/AMX, else float32")
         sub.add_argument("--init-from", type=Path, default=None, metavar="PATH", help="start from this trained head (same target and shape) instead of a fresh one, e.g. to fine-tune it with --unroll-steps")
+        sub.add_argument("--keep-draft-vocab", action="store_true", help="with --init-from: keep that head's draft vocabulary instead of counting the most frequent tokens of this run's features (for fine-tuning on less or narrower data than the head saw)")
 
     def train_inputs(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help="feature shards directory, repeatable (default: <cache>/eagle/<target>/features and .../answers, those that exist)")
+        sub.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help=f"feature shards directory, repeatable (default: <cache>/eagle/<target>/{{{','.join(FEATURE_DIRS)}}}, those that exist)")
 
     def eval_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--head", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/head.safetensors, else the head bundled for the target)")
@@ -63,7 +71,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
 
     steps_table = (
         ("extract", "run the frozen target over the standard-library corpus; save (tokens, features) shards; resumable", _extract, (dtype_option, sequence_options, extract_options)),
-        ("answers", "record the target's own answers to stdlib coding requests with their features; resumable", _answers, (dtype_option, sequence_options, answer_options)),
+        ("answers", "record the target's own answers to coding requests (stdlib or package functions) with their features; resumable", _answers, (dtype_option, sequence_options, answer_options)),
         ("train", "train a head on extracted features (SmoothL1 + 0.1 CE, cosine LR); resumable from its checkpoint", _train, (train_inputs, train_options)),
         ("build", "extract + answers + train with the defaults: the head `--drafter eagle` uses (~2 h for the built-in target)", _build, (dtype_option, sequence_options, extract_options, answer_options, train_options)),
         ("eval", "tau and alpha of a head on held-back prompts (HumanEval, never in the training corpus); --teacher-forced replays greedy decoding on recorded answers, minutes faster", _eval, (dtype_option, eval_options)),
@@ -119,12 +127,18 @@ def check_eval_prompt_options(args: argparse.Namespace) -> None:
 
 
 def _paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
-    """(stdlib features dir, answers features dir, head file)."""
+    """(stdlib features dir, answers features dir of --requests, head file)."""
     from verispec.drafters.eagle import default_head_path
 
     default = default_head_path(args.target, args.cache_dir)
     head = getattr(args, "out", None) or default
-    return default.parent / "features", default.parent / "answers", Path(head)
+    answers = FEATURE_DIRS[1] if getattr(args, "requests", "stdlib") == "stdlib" else FEATURE_DIRS[2]
+    return default.parent / FEATURE_DIRS[0], default.parent / answers, Path(head)
+
+
+def default_feature_dirs(head_dir: Path) -> list[Path]:
+    """The feature directories under ``head_dir`` (<cache>/eagle/<target>) that hold shards."""
+    return [head_dir / name for name in FEATURE_DIRS if (head_dir / name / "manifest.json").exists()]
 
 
 def load_target(args: argparse.Namespace):  # noqa: ANN201 - the loaded target (--target, --threads, --target-dtype)
@@ -163,7 +177,7 @@ def _train_settings(args: argparse.Namespace):  # noqa: ANN202
     return TrainSettings(
         epochs=args.epochs, lr=args.lr, tokens_per_step=args.tokens_per_step, intermediate_size=args.intermediate_size,
         draft_vocab=args.draft_vocab, noise=args.noise, ce_weight=args.ce_weight, seed=args.seed, unroll_steps=args.unroll_steps,
-        init_from=str(args.init_from) if args.init_from is not None else "",
+        init_from=str(args.init_from) if args.init_from is not None else "", keep_draft_vocab=args.keep_draft_vocab,
         precision=default_precision() if args.precision == "auto" else args.precision,
     )  # fmt: skip
 
@@ -183,15 +197,22 @@ def _run_extract(args: argparse.Namespace, target) -> None:  # noqa: ANN001
 
 
 def _run_answers(args: argparse.Namespace, target) -> None:  # noqa: ANN001
-    from verispec.drafters.eagle.corpus import coding_requests
+    from verispec.drafters.eagle.corpus import coding_requests, installed_packages, length_sorted, package_versions
     from verispec.drafters.eagle.extract import record_answers
 
     _, answers_dir, _ = _paths(args)
     started = time.perf_counter()
+    if args.requests == "stdlib":
+        requests, corpus_name = coding_requests(seed=args.corpus_seed), f"stdlib coding requests, instructions and stubs (seed {args.corpus_seed})"
+    else:
+        packages = installed_packages()
+        # Batches of similar lengths (the stdlib requests keep the order the bundled head's recipe recorded them in).
+        window = 4 * args.answer_batch
+        requests = length_sorted(coding_requests(seed=args.corpus_seed, source="packages", packages=packages), window)
+        corpus_name = f"package coding requests, instructions and stubs (seed {args.corpus_seed}; sorted by length in runs of {window}; {package_versions(packages)})"
     manifest = record_answers(
-        target, coding_requests(seed=args.corpus_seed), answers_dir, _answer_settings(args),
-        batch_size=args.answer_batch, max_new_tokens=args.answer_max_new_tokens,
-        corpus_name=f"stdlib coding requests, instructions and stubs (seed {args.corpus_seed})",
+        target, requests, answers_dir, _answer_settings(args),
+        batch_size=args.answer_batch, max_new_tokens=args.answer_max_new_tokens, corpus_name=corpus_name,
     )  # fmt: skip
     tokens = sum(shard["tokens"] for shard in manifest["shards"])
     print(f"{tokens} tokens of answers in {len(manifest['shards'])} shards -> {answers_dir} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)
@@ -200,11 +221,11 @@ def _run_answers(args: argparse.Namespace, target) -> None:  # noqa: ANN001
 def _run_train(args: argparse.Namespace, target) -> None:  # noqa: ANN001
     from verispec.drafters.eagle.train import train_head
 
-    features_dir, answers_dir, head_path = _paths(args)
-    # (build has no --features: it trains on the default directories it has just filled)
-    dirs = getattr(args, "features", None) or [path for path in (features_dir, answers_dir) if (path / "manifest.json").exists()]
+    features_dir, _, head_path = _paths(args)
+    # (build has no --features: it trains on the default directories, which it has just filled)
+    dirs = getattr(args, "features", None) or default_feature_dirs(features_dir.parent)
     if not dirs:
-        raise FileNotFoundError(f"no features in {features_dir} or {answers_dir}: run `verispec eagle extract` / `verispec eagle answers` first")
+        raise FileNotFoundError(f"no features under {features_dir.parent}: run `verispec eagle extract` / `verispec eagle answers` first")
     result = train_head(target, dirs, head_path, _train_settings(args))
     print(json.dumps(result, indent=1))
     print(f"head -> {head_path}", file=sys.stderr)

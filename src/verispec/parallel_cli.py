@@ -13,7 +13,7 @@ from verispec.argtypes import positive_int
 def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers action
     from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
     from verispec.drafters.parallel.train import ParallelTrainSettings
-    from verispec.eagle_cli import add_model_options
+    from verispec.eagle_cli import FEATURE_DIRS, add_model_options
 
     parallel = commands.add_parser("parallel", help="parallel draft head (K positions per pass, contextual correction): train")
     steps = parallel.add_subparsers(dest="parallel_command", required=True)
@@ -23,7 +23,7 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
     )
     defaults = ParallelTrainSettings()
     add_model_options(train)
-    train.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help="feature shards directory, repeatable (default: <cache>/eagle/<target>/features and .../answers, those that exist)")
+    train.add_argument("--features", type=Path, action="append", default=None, metavar="DIR", help=f"feature shards directory, repeatable (default: <cache>/eagle/<target>/{{{','.join(FEATURE_DIRS)}}}, those that exist)")
     train.add_argument("--out", type=Path, default=None, metavar="PATH", help="head file (default <cache>/eagle/<target>/parallel.safetensors)")
     train.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head whose draft vocabulary the parallel head reuses (default <cache>/eagle/<target>/head.safetensors if it exists, else the bundled head)")
     train.add_argument("--init-from-eagle", action="store_true", help="start the context encoder (fc, layer 0, norm) from the EAGLE head's weights")
@@ -80,11 +80,12 @@ def _train(args: argparse.Namespace) -> int:
     from verispec.drafters.eagle.checkpoint import find_head
     from verispec.drafters.parallel.checkpoint import default_parallel_path
     from verispec.drafters.parallel.train import train_parallel_head
+    from verispec.eagle_cli import default_feature_dirs
     from verispec.models import load_model
 
     settings = _settings(args)  # validate before minutes of loading
     eagle_default = default_head_path(args.target, args.cache_dir)
-    dirs = args.features or [path for path in (eagle_default.parent / "features", eagle_default.parent / "answers") if (path / "manifest.json").exists()]
+    dirs = args.features or default_feature_dirs(eagle_default.parent)
     if not dirs:
         raise FileNotFoundError(f"no features under {eagle_default.parent}: run `verispec eagle extract` / `verispec eagle answers` first")
     eagle_head = args.eagle_head or find_head(args.target, args.cache_dir)

@@ -61,6 +61,9 @@ class TrainSettings:
     seed: int = 0
     unroll_steps: int = 1  # drafting steps trained on (1: real input features only)
     init_from: str = ""  # a head file to start from ("" = fresh initialisation)
+    # With init_from: keep that head's draft vocabulary (the rows its readout was trained on) instead
+    # of counting this run's data - for fine-tuning on a smaller or narrower corpus than it saw.
+    keep_draft_vocab: bool = False
     precision: str = "float32"  # "bfloat16": matrix products in bfloat16 (autocast), weights and optimiser in float32
 
     def __post_init__(self) -> None:
@@ -75,6 +78,8 @@ class TrainSettings:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.keep_draft_vocab and not self.init_from:
+            raise ValueError("keep_draft_vocab needs init_from: there is no draft vocabulary to keep without a head to start from")
         if not 0.0 <= self.validation_fraction < 0.5:
             raise ValueError(f"validation_fraction must be in [0, 0.5), got {self.validation_fraction!r}")
 
@@ -153,13 +158,15 @@ def train_head(
     torch.manual_seed(settings.seed)
     config = EagleConfig.for_target(model.config, settings.intermediate_size)
     head = EagleHead(config)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    draft_vocab = most_frequent_tokens(training, settings.draft_vocab, vocab_size) if 0 < settings.draft_vocab < vocab_size else None
     if settings.init_from:
-        start_head, _ = load_head(settings.init_from, model)  # refuses a head of another target
+        start_head, start_vocab = load_head(settings.init_from, model)  # refuses a head of another target
         if start_head.config != config:
             raise ValueError(f"init_from {settings.init_from!r} has another shape ({start_head.config}) than this run's head ({config})")
         head.load_state_dict(start_head.state_dict())
-    vocab_size = model.get_output_embeddings().weight.shape[0]
-    draft_vocab = most_frequent_tokens(training, settings.draft_vocab, vocab_size) if 0 < settings.draft_vocab < vocab_size else None
+        if settings.keep_draft_vocab:
+            draft_vocab = start_vocab
     objective = _Objective(head, model.get_input_embeddings(), lm_head_rows(model, draft_vocab), settings)
 
     tokens_per_epoch = sum(len(tokens) - 1 for tokens, _ in training)
