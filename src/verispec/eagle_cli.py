@@ -37,7 +37,7 @@ def add_eagle_parser(commands) -> None:  # noqa: ANN001 - argparse's subparsers 
         sub.add_argument("--answer-tokens", type=int, default=60_000, help="tokens of requests + the target's own answers to record (default 60000: ~40 min for the built-in target, ~25 tokens/s in batches of 32)")
         sub.add_argument("--answer-batch", type=int, default=32, help="requests answered together (default 32; more is faster per token, up to memory)")
         sub.add_argument("--answer-max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
-        sub.add_argument("--requests", choices=REQUEST_SOURCES, default="stdlib", help="whose documented functions the requests are written from: stdlib (default; ~2,400 requests, into <cache>/eagle/<target>/answers) or packages (~15,000 from numpy, scipy, sympy, networkx, torch, transformers and other permissively licensed packages verispec installs, into .../answers-packages)")
+        sub.add_argument("--requests", choices=REQUEST_SOURCES, default="stdlib", help="whose documented functions the requests are written from: stdlib (default; ~2,400 requests, into <cache>/eagle/<target>/answers) or packages (~11,000 from numpy, scipy, sympy, networkx, torch, transformers and other permissively licensed packages verispec installs, into .../answers-packages)")
 
     def train_options(sub: argparse.ArgumentParser) -> None:
         from verispec.drafters.eagle.train import PRECISIONS, TrainSettings

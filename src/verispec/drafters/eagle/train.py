@@ -158,15 +158,17 @@ def train_head(
     torch.manual_seed(settings.seed)
     config = EagleConfig.for_target(model.config, settings.intermediate_size)
     head = EagleHead(config)
-    vocab_size = model.get_output_embeddings().weight.shape[0]
-    draft_vocab = most_frequent_tokens(training, settings.draft_vocab, vocab_size) if 0 < settings.draft_vocab < vocab_size else None
+    start_vocab = None
     if settings.init_from:
         start_head, start_vocab = load_head(settings.init_from, model)  # refuses a head of another target
         if start_head.config != config:
             raise ValueError(f"init_from {settings.init_from!r} has another shape ({start_head.config}) than this run's head ({config})")
         head.load_state_dict(start_head.state_dict())
-        if settings.keep_draft_vocab:
-            draft_vocab = start_vocab
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if settings.keep_draft_vocab:
+        draft_vocab = start_vocab  # (counting this run's tokens would be thrown away)
+    else:
+        draft_vocab = most_frequent_tokens(training, settings.draft_vocab, vocab_size) if 0 < settings.draft_vocab < vocab_size else None
     objective = _Objective(head, model.get_input_embeddings(), lm_head_rows(model, draft_vocab), settings)
 
     tokens_per_epoch = sum(len(tokens) - 1 for tokens, _ in training)
