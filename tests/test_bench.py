@@ -161,6 +161,24 @@ def test_method_settings_run_side_by_side_under_their_full_names(tiny_gguf, prom
         assert by_method[name]["identical"]["count"] == 3  # greedy: settings change the speed, never the output
 
 
+def test_two_eagle_heads_run_side_by_side(tiny_gguf, prompts_file, tmp_path):
+    from verispec.drafters.eagle import EagleConfig, EagleHead, save_head, target_fingerprint
+    from verispec.models import load_model
+
+    model = load_model(tiny_gguf).model
+    paths = [tmp_path / "head-a.safetensors", tmp_path / "head-b.safetensors"]
+    for seed, path in enumerate(paths):
+        torch.manual_seed(seed)
+        save_head(path, EagleHead(EagleConfig.for_target(model.config, 24)).eval(), draft_vocab=None, fingerprint=target_fingerprint(model))
+    out = tmp_path / "out"
+    methods = ["plain", "eagle", "eagle:head=2"]
+    heads = [arg for path in paths for arg in ("--eagle-head", str(path))]
+    assert bench(tiny_gguf, out, "--prompts", str(prompts_file), "--methods", ",".join(methods), "--gamma", "3", *heads) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["eagle_heads"] == [str(path) for path in paths]
+    assert {s["method"]: s["identical"]["count"] for s in results["summaries"] if s["method"] != "plain"} == {"eagle": 3, "eagle:head=2": 3}
+
+
 def test_method_settings_reach_the_drafter(tiny_gguf):
     from verispec.models import load_model
 
@@ -212,6 +230,18 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert wider.decoder.drafter.candidates == 6
     with pytest.raises(ValueError, match="needs an EAGLE head"):
         bench_methods.build_method("parallel-corrected-eagle", model, None, gamma=3, parallel_head=parallel)
+    # Several EAGLE heads in one run: :head=N picks the N-th, the first without it; a head the run lacks is refused.
+    other = EagleHead(EagleConfig.for_target(model.model.config, 24)).eval()
+    heads = [eagle, other]
+    assert bench_methods.build_method("eagle", model, None, gamma=3, eagle_head=heads).decoder.drafter.head is eagle
+    assert bench_methods.build_method("ngram+eagle-adaptive:head=2", model, None, gamma=3, eagle_head=heads).decoder.drafter.fallback.head is other
+    assert bench_methods.build_method("parallel-corrected-eagle:head=2", model, None, gamma=3, eagle_head=heads, parallel_head=parallel).decoder.drafter.corrector is other
+    assert bench_methods.build_method("eagle:head=1", model, None, gamma=3, eagle_head=other).decoder.drafter.head is other
+    with pytest.raises(ValueError, match=r"'eagle:head=3' picks EAGLE head 3, but the run has 2 \(repeat --eagle-head"):
+        bench_methods.build_method("eagle:head=3", model, None, gamma=3, eagle_head=heads)
+    assert bench_methods.eagle_heads_needed(["plain", "draft-model"]) == 0
+    assert bench_methods.eagle_heads_needed(["plain", "eagle", "auto"]) == 1
+    assert bench_methods.eagle_heads_needed(["eagle", "ngram+eagle:head=3", "draft-model"]) == 3
     # The bench's default methods include exactly what generate/compare run by default.
     from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
 
@@ -317,13 +347,17 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
         (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
         (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
-        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, dhead, dwin, prefix, cand, attention, got 'speed=11'"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, dhead, dwin, prefix, cand, head, attention, got 'speed=11'"),
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:dwin=512"], "dwin applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-window", "-1"], "--draft-window must be >= 0"),
         (["--methods", "ngram:path=0.4"], "path applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive, eagle, eagle-adaptive, ngram+eagle, ngram+eagle-adaptive, parallel, parallel-corrected, parallel-corrected-eagle only"),
         (["--draft-path-confidence", "1"], "--draft-path-confidence must be in"),
         (["--methods", "parallel:cand=6"], "cand applies to parallel-corrected, parallel-corrected-eagle only"),
+        (["--methods", "draft-model:head=2"], "head applies to eagle, eagle-adaptive, ngram+eagle, ngram+eagle-adaptive, eagle-local, eagle-fold, eagle-auto"),
+        (["--methods", "eagle:head=0"], "head out of range"),
+        (["--methods", "eagle,eagle:head=2"], "--methods picks EAGLE head 2 (:head=2), but --eagle-head gives 0: repeat --eagle-head PATH once per head"),
+        (["--methods", "eagle,eagle:head=2", "--eagle-head", "/nonexistent/a.safetensors", "--eagle-head", "/nonexistent/b.safetensors"], "EAGLE head '/nonexistent/a.safetensors' not found"),
         (["--methods", "parallel-corrected:cand=1"], "cand out of range"),
         (["--methods", "draft-model:vocab"], "got 'vocab'"),
         (["--methods", "draft-model:confidence=1"], "confidence out of range"),

@@ -446,6 +446,12 @@ def test_attack_on_an_eagle_head_that_does_not_exist_fails_before_loading(tmp_pa
     assert "EAGLE head" in err and "verispec eagle build" in err and "Traceback" not in err
 
 
+def test_eagle_train_refuses_keep_draft_vocab_without_init_from_before_loading(tmp_path, capsys):
+    assert main(["eagle", "train", "--target", str(tmp_path / "missing.gguf"), "--keep-draft-vocab"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-draft-vocab needs --init-from" in err and "Traceback" not in err
+
+
 def test_eagle_threads_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["eagle", "train", "--threads", "0"])

@@ -413,7 +413,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
     _add_kernel_options(bench)
-    bench.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head for the eagle methods (default <cache>/eagle/<target>/head.safetensors, else the bundled head)")
+    bench.add_argument("--eagle-head", type=Path, action="append", default=None, metavar="PATH", help="EAGLE head for the eagle methods (default <cache>/eagle/<target>/head.safetensors, else the bundled head); repeat it to time several heads in one run, a method picking the N-th with :head=N (e.g. eagle:head=2; the first without it)")
     bench.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for the parallel methods (default <cache>/eagle/<target>/parallel.safetensors)")
     add_far_memory_options(bench, with_mode=False)  # eagle-local / eagle-fold set the mode
     bench.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory (default bench-results/<timestamp>/)")
@@ -517,6 +517,19 @@ def _eagle_head_path(args: argparse.Namespace) -> Path | None:
         except FileNotFoundError:
             return None
     return existing_head_path(args.eagle_head, args.target, args.cache_dir)
+
+
+def _bench_eagle_heads(args: argparse.Namespace, needed: int) -> list[Path]:
+    """The bench's EAGLE heads (each --eagle-head, or the default head), checked to exist before
+    model loading; empty when no method reads one (``needed``: the highest ``:head=N`` asked for)."""
+    from verispec.drafters.eagle import existing_head_path
+
+    if needed == 0:
+        return []
+    given = args.eagle_head or [None]  # None: the default head
+    if needed > len(given):
+        raise ValueError(f"--methods picks EAGLE head {needed} (:head={needed}), but --eagle-head gives {len(args.eagle_head or [])}: repeat --eagle-head PATH once per head")
+    return [existing_head_path(path, args.target, args.cache_dir) for path in given]
 
 
 def _encode(target, text: str, raw: bool) -> list[int]:
@@ -821,7 +834,7 @@ def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from verispec.bench import report
-    from verispec.bench.methods import EAGLE_HEAD_METHODS, EAGLE_HEAD_PREFIXES, build_method, method_spec, parse_methods, parse_variant
+    from verispec.bench.methods import build_method, eagle_heads_needed, method_spec, parse_methods
     from verispec.bench.plots import write_plots
     from verispec.bench.runner import BenchRun, BenchSettings, count_runs, run_bench
     from verispec.bench.summary import reference_method, summarize
@@ -841,7 +854,7 @@ def _bench(args: argparse.Namespace) -> int:
     needs_draft = any(method_spec(name).needs_draft for name in names)
     if needs_draft and args.draft.lower() == "none":
         raise ValueError(f"--draft none, but {', '.join(n for n in names if method_spec(n).needs_draft)} need(s) a draft model")
-    eagle_head = _eagle_head_path(args) if any(name.startswith(EAGLE_HEAD_PREFIXES) or parse_variant(name).base in EAGLE_HEAD_METHODS for name in names) else None
+    eagle_heads = _bench_eagle_heads(args, eagle_heads_needed(names))
     from verispec.parallel_cli import parallel_head_path
 
     parallel_head = parallel_head_path(args) if any(name.startswith("parallel") for name in names) else None
@@ -875,7 +888,7 @@ def _bench(args: argparse.Namespace) -> int:
     draft_settings, screen = draft_model_settings(args), args.greedy_lm_head == "screened"
     methods = {
         name: build_method(
-            name, target, draft, args.gamma, eagle_head=eagle_head, head_quantize=head_quantize, far_memory=far_memory, parallel_head=parallel_head,
+            name, target, draft, args.gamma, eagle_head=eagle_heads, head_quantize=head_quantize, far_memory=far_memory, parallel_head=parallel_head,
             draft_settings=draft_settings, screen_lm_head=screen, tree_rows=args.tree_rows, prefix_cache_mb=args.prefix_cache_mb,
             shared_prefixes=shared_prefixes,
         )
@@ -892,6 +905,7 @@ def _bench(args: argparse.Namespace) -> int:
         "num_prompts_per_category": per_set,
         "categories": args.categories,
         "spec_bench": str(args.spec_bench) if "spec-bench" in per_set else None,
+        "eagle_heads": [str(path) for path in eagle_heads],  # :head=N picks the N-th
         "long": {"lengths": args.lengths, "split": args.split, "request": args.long_request} if "long" in per_set else None,
         "far_memory": {"local_window": args.local_window, "memory_temperature": args.memory_temperature, "memory_weight": args.memory_weight},
         "prompts_file": str(args.prompts) if args.prompts else None,

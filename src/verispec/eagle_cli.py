@@ -174,6 +174,8 @@ def _train_settings(args: argparse.Namespace):  # noqa: ANN202
 
     if args.init_from is not None and not args.init_from.is_file():
         raise FileNotFoundError(f"--init-from: EAGLE head {str(args.init_from)!r} does not exist")
+    if args.keep_draft_vocab and args.init_from is None:
+        raise ValueError("--keep-draft-vocab needs --init-from: it keeps that head's draft vocabulary")
     return TrainSettings(
         epochs=args.epochs, lr=args.lr, tokens_per_step=args.tokens_per_step, intermediate_size=args.intermediate_size,
         draft_vocab=args.draft_vocab, noise=args.noise, ce_weight=args.ce_weight, seed=args.seed, unroll_steps=args.unroll_steps,

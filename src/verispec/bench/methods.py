@@ -87,6 +87,7 @@ _CORRECTED_METHODS = ("parallel-corrected", "parallel-corrected-eagle")
 _ATTENTION_METHODS = _EAGLE_METHODS + _PARALLEL_METHODS  # heads whose attention over long inputs is a setting (eagle-local etc. fix it)
 _TREE_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + _PARALLEL_METHODS + ("auto",)  # drafters offering runner-ups
 _PATH_METHODS = _DRAFT_MODEL_METHODS + _EAGLE_METHODS + _PARALLEL_METHODS  # drafters with the path stop rule (auto fixes generate's)
+_HEAD_METHODS = tuple(name for name in METHODS if name.startswith(EAGLE_HEAD_PREFIXES) or name in EAGLE_HEAD_METHODS)  # methods that read an EAGLE head
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ _OPTIONS = {
                       int, lambda v: v >= 0, lambda base: METHODS[base].family == "ours", "our methods"),
     "cand": _Option(f"contextual correction: candidates kept per position (m), >= 2 (default {PARALLEL_CANDIDATES})", int, lambda v: v >= 2,
                     lambda base: base in _CORRECTED_METHODS, ", ".join(_CORRECTED_METHODS)),
+    "head": _Option("EAGLE head: the N-th --eagle-head of the run, >= 1 (default 1), to time two heads side by side", int, lambda v: v >= 1,
+                    lambda base: base in _HEAD_METHODS, ", ".join(_HEAD_METHODS)),
     "attention": _Option("EAGLE or parallel head (and its EAGLE corrector): how it attends over long inputs — full (as trained), local (the last --local-window tokens only), fold (far memory: --local-window, --memory-temperature, --memory-weight) or auto (full up to 1,024 prompt tokens, local past them)",
                          str, lambda v: v in ATTENTION_MODES, lambda base: base in _ATTENTION_METHODS, ", ".join(_ATTENTION_METHODS)),
 }
@@ -144,6 +147,7 @@ class MethodVariant:
     prefix: int | None = None
     attention: str | None = None
     cand: int | None = None
+    head: int | None = None
 
 
 def parse_variant(name: str) -> MethodVariant:
@@ -180,6 +184,13 @@ def parse_methods(text: str) -> list[str]:
     for name in names:
         parse_variant(name)
     return names
+
+
+def eagle_heads_needed(names: list[str]) -> int:
+    """How many EAGLE heads ``names`` read: the highest ``:head=N`` among the methods that read one
+    (1 without the setting), 0 if none does."""
+    variants = [parse_variant(name) for name in names]
+    return max((variant.head or 1 for variant in variants if variant.base in _HEAD_METHODS), default=0)
 
 
 def method_spec(name: str) -> MethodSpec:
@@ -317,7 +328,8 @@ def build_method(
     ``name`` may carry ``:key=value`` settings (:func:`parse_variant`) that override ``gamma``,
     ``screen_lm_head`` and the draft settings for this method; the method keeps the full name as its label.
 
-    ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods;
+    ``eagle_head``: the EAGLE head (checkpoint path or ``EagleHead``) for the eagle methods, or a
+    list of heads that a ``:head=N`` setting picks from (1-based; the first without it);
     ``head_quantize``: run the EAGLE and parallel heads with int8 linears.
     ``far_memory``: the ``FarMemoryConfig`` whose window / temperature / weight eagle-local,
     eagle-fold and eagle-auto use (each sets its own mode; default: the config's defaults), and the
@@ -338,6 +350,10 @@ def build_method(
     """
     variant = parse_variant(name)
     label = name  # the full name, settings included, labels the rows; the base name picks the method
+    heads = list(eagle_head) if isinstance(eagle_head, (list, tuple)) else [] if eagle_head is None else [eagle_head]
+    if variant.head is not None and variant.head > len(heads):
+        raise ValueError(f"--methods: {label!r} picks EAGLE head {variant.head}, but the run has {len(heads)} (repeat --eagle-head to give more)")
+    eagle_head = heads[(variant.head or 1) - 1] if heads else None
     spec, name = METHODS[variant.base], variant.base
     if spec.needs_draft and draft is None:
         raise ValueError(f"method {name!r} needs a draft model")
