@@ -577,7 +577,7 @@ def _fake_package(root, name, functions_per_module):
     return package
 
 
-def test_package_requests_span_every_package_and_skip_tests_private_code_copies_and_humaneval_names(tmp_path):
+def test_package_requests_span_every_package_and_skip_tests_private_code_copies_and_humaneval_names(tmp_path, capsys):
     import ast
 
     summary = "Return the value of x after a long enough documented operation on y."
@@ -592,6 +592,7 @@ def test_package_requests_span_every_package_and_skip_tests_private_code_copies_
     long_summary = "A docstring far too long to ask the target about. " * 30
     beta = _fake_package(tmp_path, "beta", {"util": [("beta_one", summary), ("beta_two", summary), ("beta_long", long_summary)]})
     requests = list(coding_requests(seed=3, source="packages", packages={"alpha": alpha, "beta": beta}))
+    assert "listing functions" not in capsys.readouterr().err
     names = [name.removesuffix(" (stub)") for name, _ in requests]
     half = len(requests) // 2
     expected = {"alpha.top", "alpha.models.a.rotate_half", *(f"alpha.core.core_{n}" for n in range(6)), "beta.util.beta_one", "beta.util.beta_two"}
@@ -605,7 +606,8 @@ def test_package_requests_span_every_package_and_skip_tests_private_code_copies_
             assert name.split(" ")[0].endswith("." + function.name) and ast.get_docstring(function) == summary
         else:
             assert text == f"Write a Python function `{name.rsplit('.', 1)[1]}(x, y)`. {summary}"
-    assert requests == list(coding_requests(seed=3, source="packages", packages={"alpha": alpha, "beta": beta}))
+    assert requests == list(coding_requests(seed=3, source="packages", packages={"alpha": alpha, "beta": beta}, progress=True))
+    assert "listing functions" in capsys.readouterr().err  # a bar when asked for (none otherwise, checked above)
     assert names != [name.removesuffix(" (stub)") for name, _ in coding_requests(seed=4, source="packages", packages={"alpha": alpha, "beta": beta})]
     with pytest.raises(ValueError, match="source must be one of stdlib, packages"):
         next(coding_requests(source="site"))

@@ -210,7 +210,7 @@ def _run_answers(args: argparse.Namespace, target) -> None:  # noqa: ANN001
         packages = installed_packages()
         # Batches of similar lengths (the stdlib requests keep the order the bundled head's recipe recorded them in).
         window = 4 * args.answer_batch
-        requests = length_sorted(coding_requests(seed=args.corpus_seed, source="packages", packages=packages), window)
+        requests = length_sorted(coding_requests(seed=args.corpus_seed, source="packages", packages=packages, progress=True), window)
         corpus_name = f"package coding requests, instructions and stubs (seed {args.corpus_seed}; sorted by length in runs of {window}; {package_versions(packages)})"
     manifest = record_answers(
         target, requests, answers_dir, _answer_settings(args),

@@ -91,7 +91,9 @@ def stdlib_documents(lines_per_piece: int = 60, seed: int = 0, root: Path | None
             yield Document(f"{module}#{part}", [{"role": "user", "content": request}, {"role": "assistant", "content": answer}])
 
 
-def coding_requests(seed: int = 0, root: Path | None = None, source: str = "stdlib", packages: dict[str, Path] | None = None) -> Iterator[tuple[str, str]]:
+def coding_requests(
+    seed: int = 0, root: Path | None = None, source: str = "stdlib", packages: dict[str, Path] | None = None, progress: bool = False
+) -> Iterator[tuple[str, str]]:
     """(name, request) pairs for documented functions, in two styles.
 
     The target's own answers to these are the second half of the corpus (``verispec eagle
@@ -107,6 +109,7 @@ def coding_requests(seed: int = 0, root: Path | None = None, source: str = "stdl
     taken from each package in turn, so any prefix of the requests spans every package; a function
     repeated under another module with the same summary (transformers copies helpers into each
     model's file) comes once, and functions with a stub over :data:`MAX_PACKAGE_STUB_CHARS` are left out.
+    ``progress``: a bar over the packages while their ~5,000 files are parsed (~1 minute).
     """
     if source not in REQUEST_SOURCES:
         raise ValueError(f"source must be one of {', '.join(REQUEST_SOURCES)}, got {source!r}")
@@ -116,7 +119,7 @@ def coding_requests(seed: int = 0, root: Path | None = None, source: str = "stdl
         random.Random(seed).shuffle(modules)
         functions = list(_documented_functions(modules))
     else:
-        functions = _interleaved_package_functions(packages if packages is not None else installed_packages(), seed)
+        functions = _interleaved_package_functions(packages if packages is not None else installed_packages(), seed, progress)
     for second_pass in (False, True):
         for index, (name, instruction, stub) in enumerate(functions):
             if (index % 2 == 0) != second_pass:
@@ -173,11 +176,13 @@ def _package_modules(name: str, root: Path) -> list[tuple[Path, str]]:
     return sorted(modules, key=lambda module: module[1])
 
 
-def _interleaved_package_functions(packages: dict[str, Path], seed: int) -> list[tuple[str, str, str]]:
+def _interleaved_package_functions(packages: dict[str, Path], seed: int, progress: bool = False) -> list[tuple[str, str, str]]:
     """Every package's documented functions, shuffled within it, then taken from each package in turn."""
+    from tqdm import tqdm
+
     rng = random.Random(seed)
     per_package, seen = [], set()
-    for name, root in packages.items():
+    for name, root in tqdm(packages.items(), desc="listing functions", unit="package", disable=not progress):
         functions = []
         for function in _documented_functions(_package_modules(name, root)):
             key = (function[0].rsplit(".", 1)[1], function[1])  # (function name, instruction)

@@ -134,6 +134,7 @@ def _build_shards(target, items, features_of, out_dir, settings: ExtractSettings
             if done_tokens >= settings.max_tokens:
                 break
             pending_documents += 1
+            item_tokens = 0
             for ids, features in features_of(item):
                 ids = ids[: settings.max_tokens - done_tokens]
                 if features is None or len(ids) < 2:
@@ -142,7 +143,11 @@ def _build_shards(target, items, features_of, out_dir, settings: ExtractSettings
                 pending.append((torch.tensor(ids, dtype=torch.int32), features.to(torch.bfloat16)))
                 pending_tokens += len(ids)
                 done_tokens += len(ids)
-                bar.update(len(ids))
+                item_tokens += len(ids)
+            # One update per item: a batch of answers arrives at once, and per-sequence updates
+            # within tqdm's refresh interval left the bar showing the batch's first answer only
+            # (and a rate of one answer per batch) until the next batch, minutes later.
+            bar.update(item_tokens)
             if pending_tokens >= settings.shard_tokens:
                 _write_shard(out, manifest, pending, pending_documents)
                 pending, pending_tokens, pending_documents = [], 0, 0
