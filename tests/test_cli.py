@@ -543,3 +543,13 @@ def test_tree_rows_auto_limits_trees_to_short_contexts_and_an_explicit_count_doe
     assert decoder().tree_max_context == cli.AUTO_TREE_MAX_CONTEXT
     explicit = decoder("--tree-rows", "8")
     assert explicit.tree_rows == 8 and explicit.tree_max_context is None
+
+
+def test_bench_help_keeps_every_method_name_apart_from_its_description(capsys):
+    from verispec.bench.methods import METHOD_OPTIONS, METHODS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    for name in [*METHODS, *METHOD_OPTIONS]:  # "parallel-corrected-eagle" once ran into its text
+        assert any(re.match(rf"  {re.escape(name)}  +\S", line) for line in lines), name

@@ -374,6 +374,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     from verispec.far_memory_cli import add_far_memory_options
     from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
+    method_column = max(map(len, [*METHODS, *METHOD_OPTIONS])) + 2  # a name as wide as a fixed column ran into its text
     bench = commands.add_parser(
         "bench",
         help="benchmark decoding methods side by side on prompt sets: speed-up, alpha, tau, identical outputs",
@@ -387,10 +388,10 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
         ),
         epilog=(
             "methods:\n"
-            + "\n".join(f"  {m.name:<22}{m.description}" for m in METHODS.values())
+            + "\n".join(f"  {m.name:<{method_column}}{m.description}" for m in METHODS.values())
             + "\n\nsettings per method, to compare them side by side in one run (NAME:key=value[:key=value]),\n"
             + "e.g. --methods plain,draft-model:gamma=6,draft-model:gamma=8:vocab=32768 (they override --gamma etc.):\n"
-            + "\n".join(f"  {key:<22}{text}" for key, text in METHOD_OPTIONS.items())
+            + "\n".join(f"  {key:<{method_column}}{text}" for key, text in METHOD_OPTIONS.items())
         ),
     )
     bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: built-in name, HF directory, .gguf file or hub id (default {DEFAULT_TARGET})")
