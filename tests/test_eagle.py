@@ -4,6 +4,7 @@ import json
 import random
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -355,21 +356,28 @@ def test_default_head_is_the_one_built_here_else_the_bundled_one(tmp_path):
         existing_head_path(tmp_path / "nowhere.safetensors", "tiny", cache, bundled)
 
 
-def test_the_bundled_head_is_a_bfloat16_head_for_the_built_in_target():
-    from verispec.drafters.eagle.checkpoint import bundled_head_path
-    from verispec.models import DEFAULT_TARGET
-
-    path = bundled_head_path(DEFAULT_TARGET)
+def read_bundled_head(path: Path, format: str) -> tuple[dict, torch.Tensor]:
+    """(config dict, draft vocabulary) of a bundled head file, checked as every bundled head must be:
+    present, at most 64 MB, of ``format``, bound to the built-in target, bfloat16 weights."""
     assert path.is_file(), f"no bundled head at {path}"
     assert path.stat().st_size <= 64 * 2**20
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()
         dtypes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}  # noqa: SIM118
-    assert metadata["format"] == "verispec-eagle-1"
-    config = EagleConfig(**json.loads(metadata["config"]))
-    assert (config.hidden_size, config.vocab_size, config.num_heads, config.num_kv_heads) == (1536, 151936, 12, 2)  # Qwen2.5-1.5B's shape
+        draft_vocab = handle.get_tensor("draft_vocab")
+    assert metadata["format"] == format
     assert metadata["target_fingerprint"] == BUILT_IN_TARGET_FINGERPRINT
     assert dtypes.pop("draft_vocab") == "I64" and set(dtypes.values()) == {"BF16"}
+    return json.loads(metadata["config"]), draft_vocab
+
+
+def test_the_bundled_head_is_a_bfloat16_head_for_the_built_in_target():
+    from verispec.drafters.eagle.checkpoint import bundled_head_path
+    from verispec.models import DEFAULT_TARGET
+
+    config, _ = read_bundled_head(bundled_head_path(DEFAULT_TARGET), "verispec-eagle-1")
+    config = EagleConfig(**config)
+    assert (config.hidden_size, config.vocab_size, config.num_heads, config.num_kv_heads) == (1536, 151936, 12, 2)  # Qwen2.5-1.5B's shape
 
 
 # --- the pipeline ------------------------------------------------------------------------------------

@@ -471,6 +471,39 @@ def test_checkpoint_round_trip_and_refusals(target, tmp_path, slot_input):
         load_parallel_head(eagle, target)
 
 
+def test_default_parallel_head_is_the_one_trained_here_else_the_bundled_one(tmp_path):
+    from verispec.drafters.parallel import bundled_parallel_path, default_parallel_path, existing_parallel_path
+
+    cache, bundled = tmp_path / "cache", tmp_path / "bundled"
+    with pytest.raises(FileNotFoundError, match="none bundled.*parallel train --target tiny"):
+        existing_parallel_path(None, "tiny", cache, bundled)
+    bundled.mkdir()
+    (bundled / "tiny.safetensors").write_bytes(b"eagle")  # the bundled EAGLE head is not a parallel head
+    with pytest.raises(FileNotFoundError, match="none bundled"):
+        existing_parallel_path(None, "tiny", cache, bundled)
+    bundled_parallel_path("tiny", bundled).write_bytes(b"parallel")
+    assert existing_parallel_path(None, "tiny", cache, bundled) == bundled / "tiny.parallel.safetensors"
+    trained = default_parallel_path("tiny", cache)
+    trained.parent.mkdir(parents=True)
+    trained.write_bytes(b"parallel")
+    assert existing_parallel_path(None, "tiny", cache, bundled) == trained  # the user's own head wins
+    with pytest.raises(FileNotFoundError, match="nowhere.safetensors"):
+        existing_parallel_path(tmp_path / "nowhere.safetensors", "tiny", cache, bundled)
+
+
+def test_the_bundled_parallel_head_is_a_bfloat16_head_sharing_the_bundled_eagle_heads_vocabulary():
+    from test_eagle import read_bundled_head
+    from verispec.drafters.eagle.checkpoint import bundled_head_path
+    from verispec.drafters.parallel import bundled_parallel_path
+    from verispec.models import DEFAULT_TARGET
+
+    config, draft_vocab = read_bundled_head(bundled_parallel_path(DEFAULT_TARGET), "verispec-parallel-1")
+    config = ParallelConfig(**config)
+    assert (config.hidden_size, config.vocab_size, config.block_size, config.first_from_anchor) == (1536, 151936, 5, True)
+    _, eagle_vocab = read_bundled_head(bundled_head_path(DEFAULT_TARGET), "verispec-eagle-1")
+    assert torch.equal(draft_vocab, eagle_vocab)  # the EAGLE pair fit reads the same tokens
+
+
 def test_anchor_loss_is_eagles_objective_on_each_blocks_anchor(target):
     """The block loss plus anchor_weight x (CE + feature_weight x SmoothL1) of norm(h_t) against f_{t+1}."""
     head = parallel_head(target, block_size=3)

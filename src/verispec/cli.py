@@ -295,7 +295,7 @@ def _build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     costs.add_argument("--cache-dir", type=Path, default=None)
     costs.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="also time this EAGLE head's steps, over its draft vocabulary and the full one (default: the head `verispec eagle build` made, else the bundled head, if any)")
-    costs.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="also time this parallel head's drafting per proposed token next to the EAGLE head's (default: the head `verispec parallel train` made, if any)")
+    costs.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="also time this parallel head's drafting per proposed token next to the EAGLE head's (default: the one `verispec parallel train` made here, else the bundled head, if any)")
     costs.add_argument("--draft-vocab", type=int, default=32768, metavar="N", help="also time the int8 draft over its first N token ids (+ special ones), as --draft-vocab N drafts; 0 = skip (default 32768)")
     costs.set_defaults(handler=_costs)
     return parser
@@ -415,7 +415,7 @@ def _add_bench_parser(commands) -> None:  # noqa: ANN001 - argparse's private su
     bench.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $VERISPEC_CACHE or ~/.cache/verispec)")
     _add_kernel_options(bench)
     bench.add_argument("--eagle-head", type=Path, action="append", default=None, metavar="PATH", help="EAGLE head for the eagle methods (default <cache>/eagle/<target>/head.safetensors, else the bundled head); repeat it to time several heads in one run, a method picking the N-th with :head=N (e.g. eagle:head=2; the first without it)")
-    bench.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for the parallel methods (default <cache>/eagle/<target>/parallel.safetensors)")
+    bench.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for the parallel methods (default <cache>/eagle/<target>/parallel.safetensors if it exists, else the bundled head)")
     add_far_memory_options(bench, with_mode=False)  # eagle-local / eagle-fold set the mode
     bench.add_argument("--out", type=Path, default=None, metavar="DIR", help="output directory (default bench-results/<timestamp>/)")
     bench.add_argument("--quick", action="store_true", help="a small preset for iteration: 2 HumanEval prompts + 1 per Spec-Bench category, 32 new tokens, methods plain,draft-model,ngram (about 10-15 minutes for the built-in models on a 2-core CPU); explicit options override it")

@@ -54,7 +54,7 @@ def add_parallel_parser(commands) -> None:  # noqa: ANN001 - argparse's subparse
     add_model_options(evaluate)
     add_target_dtype_option(evaluate, "precision the target runs in while recording its answers: float32 (default) or bfloat16")
     add_eval_prompt_options(evaluate, default_gamma=5)
-    evaluate.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head (default <cache>/eagle/<target>/parallel.safetensors)")
+    evaluate.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head (default <cache>/eagle/<target>/parallel.safetensors if it exists, else the bundled head)")
     evaluate.add_argument("--candidates", type=positive_int, default=PARALLEL_CANDIDATES, metavar="M", help=f"candidates per position for the corrected drafter (default {PARALLEL_CANDIDATES})")
     evaluate.add_argument("--eagle-head", type=Path, default=None, metavar="PATH", help="EAGLE head to compare with (default <cache>/eagle/<target>/head.safetensors, else the bundled head)")
     evaluate.add_argument("--no-eagle", action="store_true", help="leave the EAGLE head out")
@@ -162,7 +162,7 @@ def add_parallel_drafter_options(sub: argparse.ArgumentParser) -> None:
     """``--drafter parallel``'s options, for every command that decodes with a drafter."""
     from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
 
-    sub.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for --drafter parallel (default <cache>/eagle/<target>/parallel.safetensors, made by `verispec parallel train`)")
+    sub.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for --drafter parallel (default <cache>/eagle/<target>/parallel.safetensors, made by `verispec parallel train`, if it exists, else the bundled head)")
     sub.add_argument("--block-size", type=positive_int, default=None, metavar="K", help="--drafter parallel: drafts per round at most (default: the head's K; at most K)")
     sub.add_argument("--candidates", type=positive_int, default=PARALLEL_CANDIDATES, metavar="M", help=f"--drafter parallel: candidates kept per position for contextual correction (default {PARALLEL_CANDIDATES})")
     sub.add_argument("--no-correction", dest="correction", action="store_false", help="--drafter parallel: top-1 per position, one head pass a round (no contextual correction)")

@@ -6,7 +6,7 @@ K×m candidates), ``drafter`` (the Drafter implementation), ``checkpoint`` (boun
 recorded text: ``verispec parallel eval``).
 """
 
-from verispec.drafters.parallel.checkpoint import default_parallel_path, existing_parallel_path, load_parallel_head, save_parallel_head
+from verispec.drafters.parallel.checkpoint import bundled_parallel_path, default_parallel_path, existing_parallel_path, load_parallel_head, save_parallel_head
 from verispec.drafters.parallel.drafter import ParallelDrafter
 from verispec.drafters.parallel.head import ParallelConfig, ParallelHead
 from verispec.drafters.parallel.lattice import best_path, top_paths
@@ -16,6 +16,7 @@ __all__ = [
     "ParallelDrafter",
     "ParallelHead",
     "best_path",
+    "bundled_parallel_path",
     "default_parallel_path",
     "existing_parallel_path",
     "load_parallel_head",

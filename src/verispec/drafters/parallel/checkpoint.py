@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
-from verispec.drafters.eagle.checkpoint import check_target, default_head_path, read_metadata, save_head
+from verispec.drafters.eagle.checkpoint import BUNDLED_HEADS, bundled_head_path, check_target, default_head_path, read_metadata, save_head
 from verispec.drafters.parallel.head import ParallelConfig, ParallelHead
 
 FORMAT = "verispec-parallel-1"
@@ -26,12 +26,30 @@ def default_parallel_path(target_name: str, cache_dir: str | os.PathLike | None 
     return default_head_path(target_name, cache_dir).with_name("parallel.safetensors")
 
 
-def existing_parallel_path(path: str | os.PathLike | None, target_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """``path``, or the default parallel head of ``target_name``; FileNotFoundError saying how to make one."""
-    head = Path(path) if path is not None else default_parallel_path(target_name, cache_dir)
-    if not head.is_file():
-        raise FileNotFoundError(f"parallel head {str(head)!r} not found: train one with `verispec parallel train --target {target_name}` or pass its path")
-    return head
+def bundled_parallel_path(target_name: str, bundled_dir: Path = BUNDLED_HEADS) -> Path:
+    """Where a parallel head that ships with verispec for ``target_name`` would be (it may not exist):
+    <target>.parallel.safetensors beside the bundled EAGLE head, whose draft vocabulary it shares."""
+    eagle = bundled_head_path(target_name, bundled_dir)
+    return eagle.with_name(f"{eagle.stem}.parallel.safetensors")
+
+
+def existing_parallel_path(
+    path: str | os.PathLike | None, target_name: str, cache_dir: str | os.PathLike | None = None, bundled_dir: Path = BUNDLED_HEADS
+) -> Path:
+    """``path``, else the parallel head trained here, else the bundled one; FileNotFoundError saying
+    how to make one. A head the user trained wins, as for the EAGLE head: they made it on purpose."""
+    if path is not None:
+        head = Path(path)
+        if not head.is_file():
+            raise FileNotFoundError(f"parallel head {str(head)!r} not found: pass an existing head, or train one with `verispec parallel train --target {target_name}`")
+        return head
+    for head in (default_parallel_path(target_name, cache_dir), bundled_parallel_path(target_name, bundled_dir)):
+        if head.is_file():
+            return head
+    raise FileNotFoundError(
+        f"no parallel head for {target_name!r} (none at {str(default_parallel_path(target_name, cache_dir))!r}, none bundled): "
+        f"train one with `verispec parallel train --target {target_name}` or pass its path"
+    )
 
 
 def save_parallel_head(
