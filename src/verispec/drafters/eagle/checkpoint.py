@@ -49,10 +49,7 @@ def find_head(target_name: str, cache_dir: str | os.PathLike | None = None, bund
 
     A head the user built (``verispec eagle build``) wins: they made it on purpose, for this target.
     """
-    for head in (default_head_path(target_name, cache_dir), bundled_head_path(target_name, bundled_dir)):
-        if head.is_file():
-            return head
-    return None
+    return _first_file(default_head_path(target_name, cache_dir), bundled_head_path(target_name, bundled_dir))
 
 
 def existing_head_path(
@@ -62,18 +59,26 @@ def existing_head_path(
 
     Called before the target is loaded, so a missing head costs no minutes of loading.
     """
+    built, bundled = default_head_path(target_name, cache_dir), bundled_head_path(target_name, bundled_dir)
+    return resolve_head_file(path, target_name, built, bundled, "EAGLE head", f"verispec eagle build --target {target_name}")
+
+
+def resolve_head_file(path: str | os.PathLike | None, target_name: str, built: Path, bundled: Path, kind: str, train_command: str) -> Path:
+    """``path`` (it must exist), else ``built`` (made on this machine, on purpose), else ``bundled``;
+    FileNotFoundError naming ``train_command`` if none is there. Shared by every head kind."""
     if path is not None:
         head = Path(path)
         if not head.is_file():
-            raise FileNotFoundError(f"EAGLE head {str(head)!r} not found: pass an existing head, or train one with `verispec eagle build --target {target_name}`")
+            raise FileNotFoundError(f"{kind} {str(head)!r} not found: pass an existing head, or train one with `{train_command}`")
         return head
-    head = find_head(target_name, cache_dir, bundled_dir)
+    head = _first_file(built, bundled)
     if head is None:
-        raise FileNotFoundError(
-            f"no EAGLE head for {target_name!r} (none at {str(default_head_path(target_name, cache_dir))!r}, none bundled): "
-            f"train one with `verispec eagle build --target {target_name}` or pass its path"
-        )
+        raise FileNotFoundError(f"no {kind} for {target_name!r} (none at {str(built)!r}, none bundled): train one with `{train_command}` or pass its path")
     return head
+
+
+def _first_file(*candidates: Path) -> Path | None:
+    return next((candidate for candidate in candidates if candidate.is_file()), None)
 
 
 def target_fingerprint(target: PreTrainedModel) -> str:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
-from verispec.drafters.eagle.checkpoint import BUNDLED_HEADS, bundled_head_path, check_target, default_head_path, read_metadata, save_head
+from verispec.drafters.eagle.checkpoint import BUNDLED_HEADS, bundled_head_path, check_target, default_head_path, read_metadata, resolve_head_file, save_head
 from verispec.drafters.parallel.head import ParallelConfig, ParallelHead
 
 FORMAT = "verispec-parallel-1"
@@ -38,18 +38,8 @@ def existing_parallel_path(
 ) -> Path:
     """``path``, else the parallel head trained here, else the bundled one; FileNotFoundError saying
     how to make one. A head the user trained wins, as for the EAGLE head: they made it on purpose."""
-    if path is not None:
-        head = Path(path)
-        if not head.is_file():
-            raise FileNotFoundError(f"parallel head {str(head)!r} not found: pass an existing head, or train one with `verispec parallel train --target {target_name}`")
-        return head
-    for head in (default_parallel_path(target_name, cache_dir), bundled_parallel_path(target_name, bundled_dir)):
-        if head.is_file():
-            return head
-    raise FileNotFoundError(
-        f"no parallel head for {target_name!r} (none at {str(default_parallel_path(target_name, cache_dir))!r}, none bundled): "
-        f"train one with `verispec parallel train --target {target_name}` or pass its path"
-    )
+    built, bundled = default_parallel_path(target_name, cache_dir), bundled_parallel_path(target_name, bundled_dir)
+    return resolve_head_file(path, target_name, built, bundled, KIND, f"verispec parallel train --target {target_name}")
 
 
 def save_parallel_head(
