@@ -628,6 +628,30 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
     assert all(f"{name}, {precision}" in out for name in ("parallel-corrected-eagle", "eagle") for precision in ("float32", "int8"))
 
 
+def test_pair_fit_auto_takes_the_eagle_head_when_the_target_has_one(tmp_path, capsys):
+    import argparse
+
+    from verispec.parallel_cli import parallel_corrector_path
+
+    eagle = tmp_path / "eagle.safetensors"
+    eagle.write_bytes(b"")  # only looked up here, never loaded
+
+    def corrector(pair_fit: str, eagle_head=None, correction: bool = True, drafter: str = "parallel"):
+        args = argparse.Namespace(drafter=drafter, pair_fit=pair_fit, correction=correction, eagle_head=eagle_head, target=str(tmp_path / "tiny.gguf"), cache_dir=tmp_path)
+        return parallel_corrector_path(args)
+
+    assert corrector("auto", eagle) == eagle and corrector("eagle", eagle) == eagle
+    assert corrector("auto") is None  # no EAGLE head for this target anywhere: the parallel head's own fit, said so
+    assert "scores its pair fit with the parallel head" in capsys.readouterr().err
+    assert corrector("parallel", eagle) is None and corrector("auto", eagle, correction=False) is None and corrector("auto", eagle, drafter="eagle") is None
+    with pytest.raises(ValueError, match="--pair-fit eagle"):
+        corrector("eagle", eagle, correction=False)
+    with pytest.raises(FileNotFoundError):
+        corrector("eagle")  # asked for by name: no head is an error, not a fallback
+    with pytest.raises(FileNotFoundError):
+        corrector("auto", tmp_path / "missing.safetensors")  # a named head must exist
+
+
 def test_proposal_cost_times_drafting_only(target):
     from verispec.bench.costs import proposal_cost
 

@@ -465,10 +465,10 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    from verispec.parallel_cli import parallel_drafter_from_args, parallel_head_path, pair_fit_by_eagle
+    from verispec.parallel_cli import parallel_corrector_path, parallel_drafter_from_args, parallel_head_path
 
     plain_by_draft_none = args.drafter in MODEL_DRAFTERS and args.draft.lower() == "none"  # --draft none: plain decoding
-    eagle_head = _eagle_head_path(args) if (args.drafter in EAGLE_DRAFTERS and not plain_by_draft_none) or pair_fit_by_eagle(args) else None
+    eagle_head = _eagle_head_path(args) if args.drafter in EAGLE_DRAFTERS and not plain_by_draft_none else parallel_corrector_path(args)
     if args.drafter == "auto" and eagle_head is None and not plain_by_draft_none:
         print(f"verispec: no EAGLE head for {args.target}: --drafter auto drafts every prompt with ngram+draft", file=sys.stderr)
         args.drafter = "ngram+draft"  # and is that drafter from here on (its trees, its name)
