@@ -511,12 +511,10 @@ def _eagle_head_path(args: argparse.Namespace) -> Path | None:
     """The EAGLE head to load (--eagle-head or the default), checked to exist before minutes of model
     loading; None for --drafter auto when the target has none (it then drafts with the draft model)."""
     from verispec.drafters.eagle import existing_head_path
+    from verispec.drafters.eagle.checkpoint import find_head
 
     if getattr(args, "drafter", None) == "auto" and args.eagle_head is None:
-        try:
-            return existing_head_path(None, args.target, args.cache_dir)
-        except FileNotFoundError:
-            return None
+        return find_head(args.target, args.cache_dir)
     return existing_head_path(args.eagle_head, args.target, args.cache_dir)
 
 

@@ -180,6 +180,7 @@ def parallel_corrector_path(args: argparse.Namespace) -> Path | None:
     EAGLE head when one is found: the head's own fit never changed a path in our replays and costs
     more a round (README, Parallel drafting), the EAGLE fit raised HumanEval's tau by 5-6%."""
     from verispec.drafters.eagle import existing_head_path
+    from verispec.drafters.eagle.checkpoint import find_head
 
     pair_fit = getattr(args, "pair_fit", "auto")
     if getattr(args, "drafter", None) != "parallel" or pair_fit == "parallel":
@@ -190,11 +191,10 @@ def parallel_corrector_path(args: argparse.Namespace) -> Path | None:
         return None
     if pair_fit == "eagle" or args.eagle_head is not None:
         return existing_head_path(args.eagle_head, args.target, args.cache_dir)
-    try:
-        return existing_head_path(None, args.target, args.cache_dir)
-    except FileNotFoundError:
+    head = find_head(args.target, args.cache_dir)
+    if head is None:
         print(f"verispec: no EAGLE head for {args.target}: --drafter parallel scores its pair fit with the parallel head (--pair-fit parallel)", file=sys.stderr)
-        return None
+    return head
 
 
 def parallel_head_path(args: argparse.Namespace) -> Path:
