@@ -367,3 +367,14 @@ def test_a_conversation_load_test_reports_the_median_time_to_first_token_of_each
 
     timings = [RequestTiming(9.0, ttft, 10, turn=turn) for turn, ttft in [(1, 4.0), (2, 1.0), (1, 2.0), (2, 3.0), (1, 9.0), (3, 0.5), (2, 2.5)]]
     assert _median_ttft_by_turn(timings) == (4.0, 2.5, 0.5)
+
+
+def test_a_load_test_reports_the_median_decoding_rate_after_the_first_token():
+    from verispec.serving.loadtest import LevelResult, RequestTiming, _median_decode_rate, format_table
+
+    # (latency, TTFT, tokens): 9 tokens in 2 s after the first, 4 in 4 s, 19 in 2 s; a 1-token answer has no rate
+    timings = [RequestTiming(3.0, 1.0, 10), RequestTiming(6.0, 2.0, 5), RequestTiming(2.5, 0.5, 20), RequestTiming(1.0, 1.0, 1)]
+    assert _median_decode_rate(timings) == 4.5
+    assert _median_decode_rate([RequestTiming(1.0, 1.0, 1)]) is None
+    row = format_table([LevelResult(4, 10.0, 3.0, 6.0, 1.0, 4, median_decode_tokens_per_s=4.5)]).splitlines()[2]
+    assert row == "| 4 | 4 | 10.00 | 3.00 | 6.00 | 1.00 | 4.50 |"

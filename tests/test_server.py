@@ -416,7 +416,7 @@ def test_metrics_parse_and_add_up(draft_server):
     assert 0 < accepted <= drafted
     assert _total(after, "verispec_accepted_tokens_by_position_total") == accepted
     assert after[("verispec_running_batch_size", ())] == 0 and after[("verispec_queue_length", ())] == 0
-    assert after[("verispec_gamma", ())] == 4
+    assert after[("verispec_gamma", ())] == 4 and 0 <= after[("verispec_round_drafts", ())] <= 4  # one request in the last round
 
 
 # --- Target features for feature-level drafters (EAGLE) ------------------------------------------

@@ -59,20 +59,21 @@ class StepCosts:
         if passes == 1:  # the second pass confirms or corrects the first: first passes are often warm-up spikes
             self.verify_s[rows] = min(previous, verify_s)
         else:
-            self.verify_s[rows] = _mix(previous, verify_s, max(self.smoothing, staleness))
+            self.verify_s[rows] = clipped_mix(previous, verify_s, max(self.smoothing, staleness))
         self._passes[rows] = passes + 1
         self._last_seen[rows] = self._rounds
         if drafted > 0:
-            self._fit_draft(drafted, draft_s)
+            self.observe_drafting(drafted, draft_s)
 
     def draft_cost(self, gamma: int) -> float:
         if gamma == 0 or self.draft_step_s is None:
             return 0.0
         return self.draft_base_s + gamma * self.draft_step_s
 
-    def _fit_draft(self, drafted: int, seconds: float) -> None:
+    def observe_drafting(self, drafted: int, seconds: float) -> None:
+        """``drafted`` tokens were drafted in ``seconds`` (one round): refit the drafting line."""
         if self.draft_step_s is not None:
-            seconds = min(seconds, 2 * self.draft_cost(drafted))  # one outlier counts at most 2x (see _mix)
+            seconds = min(seconds, 2 * self.draft_cost(drafted))  # one outlier counts at most 2x (see clipped_mix)
         observation = (float(drafted), seconds, float(drafted * drafted), drafted * seconds)
         if self._draft_moments is None:
             self._draft_moments = list(observation)
@@ -187,11 +188,15 @@ class AdaptiveGamma:
         return self.accept_rate[0]
 
     def expected_tokens(self, gamma: int) -> float:
-        expected, reach = 1.0, 1.0
-        for rate in self.accept_rate[:gamma]:
-            reach *= rate  # P(drafts 1..k all accepted)
-            expected += reach
-        return expected
+        return 1.0 + sum(self.reaches(gamma))
+
+    def reaches(self, count: int) -> list[float]:
+        """P(drafts 1..k all accepted) for k = 1..count: what the k-th draft adds to E[tokens]."""
+        reach, out = 1.0, []
+        for rate in self.accept_rate[:count]:
+            reach *= rate
+            out.append(reach)
+        return out
 
     def expected_cost(self, gamma: int) -> float:
         return self.costs.draft_cost(gamma) + self.costs.verify_cost(gamma + 1)
@@ -200,27 +205,50 @@ class AdaptiveGamma:
         """The number of drafts for the next round (0 = a plain decoding step)."""
         if 1 not in self.costs.verify_s:
             return 0  # measure the baseline once (per cost table): what a plain step costs here
-        rate = {g: self.expected_tokens(g) / self.expected_cost(g) for g in range(min(self.max_gamma, self._max_drafts) + 1)}
+        rate = {g: self.expected_tokens(g) / self.expected_cost(g) for g in range(self.draft_limit + 1)}
         best = max(rate, key=rate.get)
         if best > 0 and rate[best] >= self.hurdle * rate[0]:
             self._plain_rounds = 0
             return best
+        return self.plain_round()
+
+    @property
+    def draft_limit(self) -> int:
+        """The most drafts this sequence may take next round (slow start: see ``first_max_drafts``)."""
+        return min(self.max_gamma, self._max_drafts)
+
+    def plain_round(self) -> int:
+        """Speculation does not pay this round: 0 drafts, or 1 when a probe is due.
+
+        A text is re-tested now and then (one cheap draft), since acceptance is only learnt from
+        drafts; the interval doubles until a probe shows speculation paying again.
+        """
         self._plain_rounds += 1
-        if self._plain_rounds >= self._probe_interval:  # speculation looked unprofitable: check again
-            # One cheap draft; the interval doubles until a probe shows speculation paying again.
+        if self._plain_rounds >= self._probe_interval:
             self._plain_rounds = 0
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_interval)
             self._probing = True
             return 1
         return 0
 
+    def speculation_paid(self) -> None:
+        """Drafting paid this round (by whatever cost model judged it): probe soon again if it stops."""
+        self._plain_rounds = 0
+        self._probe_interval = self.first_probe_interval
+
     def observe(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float, draft_passes: int) -> None:
         """Fold one round's outcome and timings into the estimates."""
         # A sequence's first drafting round also pays the drafter's prompt prefill: its time says
         # nothing about drafting's cost.
         timed_drafts = num_drafted if self._drafted else 0
-        self._drafted = self._drafted or draft_passes > 0
         self.costs.observe(num_drafted + 1, verify_s, draft_s, timed_drafts)
+        self.observe_acceptance(num_drafted, num_accepted, draft_passes)
+        if num_drafted and self.expected_tokens(num_drafted) / self.expected_cost(num_drafted) > 1 / self.costs.verify_cost(1):
+            self._probe_interval = self.first_probe_interval  # speculation pays again
+
+    def observe_acceptance(self, num_drafted: int, num_accepted: int, draft_passes: int = 1) -> None:
+        """Fold one round's accepted prefix into the per-position acceptance estimates (no costs)."""
+        self._drafted = self._drafted or draft_passes > 0
         if num_drafted == 0:
             return
         # Positions 1..num_accepted were accepted; the next one, if drafted, was rejected; later ones
@@ -237,11 +265,9 @@ class AdaptiveGamma:
                 outcome, weight = max(self.alpha_prior, self.accept_rate[index - 1]), self.drift
             self.accept_rate[index] += weight * (outcome - self.accept_rate[index])
         self._probing = False
-        if self.expected_tokens(num_drafted) / self.expected_cost(num_drafted) > 1 / self.costs.verify_cost(1):
-            self._probe_interval = self.first_probe_interval  # speculation pays again
 
 
-def _mix(old: float | None, new: float, smoothing: float) -> float:
+def clipped_mix(old: float | None, new: float, smoothing: float) -> float:
     """Moving average; one outlier (a GC pause, another thread holding the GIL) counts at most 2x.
 
     Unclipped, a single 100x spike in a pass's time would keep that row count looking expensive

@@ -13,6 +13,12 @@ only for a lone request, until requests that speculate together drafted together
 step for all of them). With that, full gamma up to 4 requests, tapering to none from 16, served 4 / 8
 clients at 1.05x / 1.00x plain batching on the 2-core AMD EPYC (2026-12-02) and 1.45x / 1.09x on the
 2-core Xeon (2026-12-03, mean of four paired rounds, 1.24-1.71x / 0.91-1.31x): the defaults since.
+
+Since 2026-12-06 (night) this gamma is a cap: below it :class:`~verispec.serving.batch_plan.BatchPlanner`
+chooses each request's drafts from measured costs. With the cap lifted (full gamma to 32 requests)
+the planner served 16 and 32 clients with EAGLE within 3-4% of plain decoding, where per-request
+control had served 25-30% less, but the draft model once 14% below plain at 16: the defaults stay,
+and keep a busy batch from paying for the planner's exploration (README, Performance).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each level of concurrency runs ``concurrency`` clients; each client sends ``requests_per_client``
 streamed chat requests one after another (different HumanEval prompts). Reported per level:
-total generated tokens / wall time, median and p90 request latency, median time to first token.
+total generated tokens / wall time, median and p90 request latency, median time to first token, and
+the median decoding rate of a request after its first token.
 
 ``conversation``: each client's requests are the turns of one chat instead — its first HumanEval
 prompt, then the conversation so far (every answer included) plus a follow-up request
@@ -50,6 +51,9 @@ class LevelResult:
     median_followup_ttft_s: float | None = None  # conversations: turns 2+ only
     median_ttft_by_turn: tuple[float, ...] = ()  # conversations: turn 1, 2, ... (a window or a cache shows where turns grow long)
     prompt_tokens: tuple[int, int, int] | None = None  # (min, median, max) over the requests, from the server's usage
+    # Per request, its tokens after the first over the time after its first token: the decoding
+    # rate a client sees, without the wait for its prefill (which short answers are mostly made of).
+    median_decode_tokens_per_s: float | None = None
 
 
 async def _one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int, turn: int = 1) -> RequestTiming:
@@ -109,12 +113,19 @@ async def run_level(
         median_followup_ttft_s=statistics.median(later) if (later := [t.ttft_s for t in timings if t.turn > 1]) else None,
         median_ttft_by_turn=_median_ttft_by_turn(timings) if conversation else (),
         prompt_tokens=_spread([t.prompt_tokens for t in timings if t.prompt_tokens is not None]),
+        median_decode_tokens_per_s=_median_decode_rate(timings),
     )
 
 
 def _spread(values: list[int]) -> tuple[int, int, int] | None:
     """(min, median, max) of ``values``, None when there are none."""
     return (min(values), int(statistics.median(values)), max(values)) if values else None
+
+
+def _median_decode_rate(timings: list[RequestTiming]) -> float | None:
+    """Median over the requests of (tokens - 1) / (latency - TTFT); None if no request streamed 2+ tokens."""
+    rates = [(t.tokens - 1) / (t.latency_s - t.ttft_s) for t in timings if t.tokens > 1 and t.latency_s > t.ttft_s]
+    return statistics.median(rates) if rates else None
 
 
 def _median_ttft_by_turn(timings: list[RequestTiming]) -> tuple[float, ...]:
@@ -133,10 +144,11 @@ async def served_model(url: str, api_key: str | None) -> str:
 
 def format_table(results: list[LevelResult]) -> str:
     followups = any(r.median_followup_ttft_s is not None for r in results)
-    header = "| concurrency | requests | total tok/s | median latency (s) | p90 latency (s) | median TTFT (s) |" + (" median TTFT, turns 2+ (s) |" if followups else "")
-    lines = [header, "|---:|---:|---:|---:|---:|---:|" + ("---:|" if followups else "")]
+    header = "| concurrency | requests | total tok/s | median latency (s) | p90 latency (s) | median TTFT (s) | median decode tok/s per request |" + (" median TTFT, turns 2+ (s) |" if followups else "")
+    lines = [header, "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if followups else "")]
     for r in results:
-        line = f"| {r.concurrency} | {r.requests} | {r.tokens_per_s:.2f} | {r.median_latency_s:.2f} | {r.p90_latency_s:.2f} | {r.median_ttft_s:.2f} |"
+        decode = "-" if r.median_decode_tokens_per_s is None else f"{r.median_decode_tokens_per_s:.2f}"
+        line = f"| {r.concurrency} | {r.requests} | {r.tokens_per_s:.2f} | {r.median_latency_s:.2f} | {r.p90_latency_s:.2f} | {r.median_ttft_s:.2f} | {decode} |"
         if followups:
             line += " - |" if r.median_followup_ttft_s is None else f" {r.median_followup_ttft_s:.2f} |"
         lines.append(line)

@@ -7,10 +7,11 @@ reads the events a request's ``sink`` receives. The scheduler thread loops over 
    cache), in order, until their prompts pass ``prefill_budget`` tokens (the first always comes in),
    and drop cancelled ones, closing their drafter sessions;
 2. every running request drafts its own proposal: its own drafter session, its own seeded
-   ``torch.Generator``, gamma from :class:`~verispec.serving.gamma_policy.BatchGammaPolicy`,
-   lowered per request by its own :class:`~verispec.engine.gamma.AdaptiveGamma` (acceptance of
-   this request's text, costs shared by all) so text the drafter cannot follow - a rejection
-   attack included - is decoded plainly instead of slower than plainly;
+   ``torch.Generator``, at most gamma from :class:`~verispec.serving.gamma_policy.BatchGammaPolicy`,
+   as many as :class:`~verispec.serving.batch_plan.BatchPlanner` plans for the batch from each
+   request's acceptance (its :class:`~verispec.engine.gamma.AdaptiveGamma`) and the measured costs
+   of passes and drafting, so text the drafter cannot follow - a rejection attack included - and
+   batches whose extra rows cost more than they bring are decoded plainly instead of slower than plainly;
 3. ONE target forward over all running requests (:class:`~verispec.serving.lean_batch.LeanBatchedTarget`
    where the target runs the lean forward, else :class:`~verispec.serving.batch_cache.BatchedTarget`);
 4. each request verifies its rows with the single-sequence engine's own functions
@@ -37,13 +38,14 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.base import Drafter, DraftSession, Proposal, propose_batch
 from verispec.engine.decoder import StepResult, checked_proposal, draft_context, validate_prompt, verify_drafts
-from verispec.engine.gamma import AdaptiveGamma, StepCosts
+from verispec.engine.gamma import AdaptiveGamma
 from verispec.engine.monitor import AcceptanceMonitor, MonitorConfig
 from verispec.engine.stats import GenerationStats
 from verispec.engine.stopping import StopCondition
 from verispec.engine.prefix_cache import prefix_cache_of_mb
 from verispec.sampling import SamplingParams
 from verispec.serving.batch_cache import BatchedTarget, CompactionPolicy
+from verispec.serving.batch_plan import BatchPlanner, PlanRow
 from verispec.serving.gamma_policy import BatchGammaPolicy
 from verispec.serving.lean_batch import LeanBatchedTarget, lean_batching_unsupported_reason
 from verispec.serving.metrics import ServerMetrics
@@ -67,7 +69,8 @@ class SchedulerConfig:
     max_batch: int = 32  # requests running together; more wait in the queue
     max_queue: int = 64  # waiting requests; beyond this submit() raises QueueFullError
     gamma_policy: BatchGammaPolicy = field(default_factory=BatchGammaPolicy)
-    # Per-request acceptance control below the batch policy's gamma (unseeded requests: see _propose).
+    # Drafts planned per round below the batch policy's gamma from each request's acceptance and the
+    # measured costs (unseeded requests: see _draft_budgets); False: every request drafts that gamma.
     adaptive_gamma: bool = True
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
     # The acceptance monitor's window and floor (a warning per request / key / global dip below it).
@@ -147,6 +150,7 @@ class _Row:
     last_emitted: float | None = None
     round_draft_s: float = 0.0  # this round's drafting time (the monitor charges it with the shared pass)
     round_controlled: bool = False  # this round's gamma came from the controller: it learns from the outcome
+    has_drafted: bool = False  # its drafter has run (its first drafting round also pays the drafter's prefill)
 
     @property
     def scopes(self) -> tuple[str, str, str]:
@@ -165,6 +169,7 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         metrics: ServerMetrics | None = None,
         monitor: AcceptanceMonitor | None = None,
+        planner: BatchPlanner | None = None,
     ) -> None:
         self.config = config if config is not None else SchedulerConfig()
         self.metrics = metrics if metrics is not None else ServerMetrics()
@@ -173,7 +178,8 @@ class Scheduler:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self._wants_features = bool(drafter is not None and drafter.needs_target_features)
-        self._step_costs = StepCosts()  # shared by the requests' controllers: one target, one drafter
+        # One target, one drafter: the costs are the server's, the acceptance each request's.
+        self._planner = planner if planner is not None else BatchPlanner()
         self._waiting: deque[GenerationRequest] = deque()
         self._rows: list[_Row] = []  # the scheduler thread's alone
         self._lock = threading.Condition()
@@ -259,7 +265,7 @@ class Scheduler:
         row = _Row(request, list(prompt), stopper, request.sampling.make_generator(), session, stats)
         # Seeded requests stay uncontrolled: their text must not depend on timings (see _propose).
         if self.config.adaptive_gamma and session is not None and request.sampling.seed is None:
-            row.controller = AdaptiveGamma(self.config.gamma, costs=self._step_costs)
+            row.controller = AdaptiveGamma(self.config.gamma)  # its acceptance only: the planner prices rounds
         if self._wants_features and len(features):
             row.unseen_features.append(features)
         self._rows.append(row)
@@ -271,13 +277,21 @@ class Scheduler:
         gamma = self.config.gamma_policy.gamma_for(len(rows), self.config.gamma) if self.drafter is not None else 0
         self.metrics.gamma.set(gamma)
         failed: set[int] = set()
-        proposals = self._propose_all(rows, gamma, failed)
+        budgets = self._draft_budgets(rows, gamma)
+        self.metrics.round_drafts.set(sum(budgets))
+        first_drafts = any(budget > 0 and not row.has_drafted for row, budget in zip(rows, budgets))
+        draft_started = time.perf_counter()
+        proposals = self._propose_all(rows, budgets, failed)
+        draft_s = time.perf_counter() - draft_started
         feeds = [[row.tokens[-1]] + proposal.tokens for row, proposal in zip(rows, proposals)]
         try:
             pass_started = time.perf_counter()
             greedy = all(row.request.sampling.is_greedy for row in rows)
             outputs = self.target.extend(feeds, [len(feed) for feed in feeds], argmax_only=greedy)
             pass_s = time.perf_counter() - pass_started
+            num_drafted = sum(len(proposal.tokens) for proposal in proposals)
+            # A drafter's first round pays its prefill: no measure of drafting.
+            self._planner.observe(sum(map(len, feeds)), pass_s, draft_s, 0 if first_drafts else num_drafted)
         except Exception as error:  # noqa: BLE001 - the shared pass failed: nobody's tokens are valid
             logger.exception("batched target pass failed")
             for index, row in enumerate(rows):
@@ -304,11 +318,10 @@ class Scheduler:
         self.metrics.target_calls.inc()
         self._leave([rows[index] for index in sorted(finished)])
 
-    def _propose_all(self, rows: list[_Row], gamma: int, failed: set[int]) -> list[Proposal]:
-        """Every row's drafts for this round: drafted together where the drafter can (a draft model's
-        sessions take one pass per step for all rows, :func:`~verispec.drafters.base.propose_batch`).
+    def _propose_all(self, rows: list[_Row], budgets: list[int], failed: set[int]) -> list[Proposal]:
+        """Every row's drafts for this round (``budgets`` tokens): drafted together where the drafter can
+        (a draft model's sessions take one pass per step for all rows, :func:`~verispec.drafters.base.propose_batch`).
         A drafter error fails its request only: if the joint call fails, each row drafts alone."""
-        budgets = [self._draft_budget(row, gamma) for row in rows]
         drafting = [index for index, budget in enumerate(budgets) if budget > 0]
         proposals = [_NO_DRAFT] * len(rows)
         if not drafting:
@@ -332,6 +345,7 @@ class Scheduler:
                 timed.append((index, proposal, time.perf_counter() - started))
         for index, proposal, elapsed in timed:
             row = rows[index]
+            row.has_drafted = True
             row.round_draft_s = elapsed
             row.stats.draft_s += elapsed
             try:
@@ -341,16 +355,33 @@ class Scheduler:
                 self._fail(row.request, error)
         return proposals
 
-    def _draft_budget(self, row: _Row, gamma: int) -> int:
-        """How many tokens ``row`` drafts this round (0: none)."""
-        # A seeded request keeps the full gamma: its random stream (one uniform per draft) and so its
-        # text then depend on its prompt and seed only, never on the traffic it shares rounds with.
-        wanted = self.config.gamma if row.request.sampling.seed is not None and self.drafter is not None else gamma
-        row.round_controlled = row.controller is not None and gamma > 0
-        if row.round_controlled:  # the batch allows speculation; does this request's text pay for it?
-            wanted = min(wanted, row.controller.choose())
-        num_draft = min(wanted, row.request.max_tokens - row.stats.new_tokens - 1)  # never draft what we could not emit
-        return 0 if row.session is None else max(num_draft, 0)
+    def _draft_budgets(self, rows: list[_Row], gamma: int) -> list[int]:
+        """How many tokens each row drafts this round (0: none): the batch planner's choice for
+        controlled rows, at most ``gamma``, plus a probe now and then for a row it leaves plain."""
+        plan_rows = []
+        for row in rows:
+            # A seeded request keeps the full gamma: its random stream (one uniform per draft) and so its
+            # text then depend on its prompt and seed only, never on the traffic it shares rounds with.
+            wanted = self.config.gamma if row.request.sampling.seed is not None and self.drafter is not None else gamma
+            room = max(row.request.max_tokens - row.stats.new_tokens - 1, 0)  # never draft what we could not emit
+            cap = 0 if row.session is None else min(wanted, room)
+            row.round_controlled = row.controller is not None and gamma > 0 and cap > 0
+            if row.round_controlled:  # the batch allows speculation; does this request's text pay for it?
+                plan_rows.append(PlanRow(tuple(row.controller.reaches(min(cap, row.controller.draft_limit)))))
+            else:
+                plan_rows.append(PlanRow(None, cap))
+        budgets = self._planner.plan(plan_rows)
+        # Acceptance is only learnt from drafts: a text left plain is re-tested now and then, unless
+        # no text could pay for its drafts in this batch.
+        probing = not any(budgets) and self._planner.could_pay(plan_rows)
+        for index, row in enumerate(rows):
+            if not row.round_controlled:
+                continue
+            if budgets[index] > 0:
+                row.controller.speculation_paid()
+            elif probing or any(budgets):
+                budgets[index] = row.controller.plain_round()
+        return budgets
 
     def _accept(self, row: _Row, proposal: Proposal, logits: torch.Tensor, features: torch.Tensor, pass_s: float) -> tuple[int, bool]:
         """Verify one row's drafts; emit its tokens. Returns (num_accepted, finished)."""
@@ -364,7 +395,7 @@ class Scheduler:
         stats = row.stats
         stats.record_round(len(proposal.tokens), num_accepted, len(new_tokens), proposal.num_forward_passes)
         if row.round_controlled:
-            row.controller.observe(len(proposal.tokens), num_accepted, row.round_draft_s, pass_s, proposal.num_forward_passes)
+            row.controller.observe_acceptance(len(proposal.tokens), num_accepted, proposal.num_forward_passes)
         now = time.perf_counter()
         stats.total_s = now - request.arrived
         self._record(row, len(proposal.tokens), num_accepted, len(new_tokens), now)

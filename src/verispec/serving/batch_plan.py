@@ -1,0 +1,129 @@
+"""How many tokens each request of a batch drafts this round: the plan with the most tokens per second.
+
+A round of a batch of B requests is one drafting phase and ONE target pass over
+R = sum_i (k_i + 1) rows, where request i drafts k_i tokens. It emits, in expectation,
+
+    E[tokens] = sum_i E_i(k_i),   E_i(k) = 1 + sum_{j=1..k} reach_i(j),   reach_i(j) = prod_{l<=j} h_{i,l}
+
+(h_{i,l}: request i's estimated acceptance of its l-th draft, :class:`~verispec.engine.gamma.AdaptiveGamma`),
+and costs pass(R) + draft(K) seconds, K = sum_i k_i. The planner picks the k_i that maximise
+
+    rate = E[tokens] / (pass(R) + draft(K))
+
+and decodes plainly (every k_i = 0) unless the best rate beats plain decoding's B / pass(B) by the
+hurdle. Why a plan for the whole batch: each request's own controller saw the shared pass's time as
+the price of its own rows, so in a batch of 8 a plain step looked as dear as a speculative one and
+every request kept drafting while the batch served 20-35% fewer tokens per second than plain
+decoding (README, Performance, 2026-12-06 (evening)). Here a pass is priced by its total rows, as
+the target computes it.
+
+For a fixed K the best choice takes the K largest reach_i(j) over all requests (each request's
+reaches fall with j, so the K largest are a prefix of every request's drafts) and R = B + K, so the
+best plan is found by adding drafts in order of reach and keeping the best prefix.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from verispec.engine.gamma import StepCosts, clipped_mix
+
+
+@dataclass
+class PassCosts:
+    """Seconds of a batched target pass by its total rows, measured; counts between measured ones
+    are interpolated linearly, counts above the largest cost what it costs (an optimistic guess, so
+    larger passes get tried), counts below the smallest what the smallest costs (a bound: fewer rows
+    are never dearer). No count costs more than any larger measured one."""
+
+    smoothing: float = 0.2  # weight of the newest pass of a row count
+    seconds: dict[int, float] = field(default_factory=dict)  # rows -> moving average
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        self.seconds[rows] = clipped_mix(self.seconds.get(rows), seconds, self.smoothing)
+
+    def measured(self) -> bool:
+        return bool(self.seconds)
+
+    def cost(self, rows: int) -> float:
+        if not self.seconds:
+            raise ValueError("no pass measured yet")
+        counts = sorted(self.seconds)
+        place = bisect_left(counts, rows)
+        if place == len(counts):
+            return self.seconds[counts[-1]]
+        if counts[place] == rows or place == 0:
+            return self.seconds[counts[place]]
+        low, high = counts[place - 1], counts[place]
+        share = (rows - low) / (high - low)
+        interpolated = self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
+        return min(interpolated, min(self.seconds[count] for count in counts[place:]))
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One request as the planner sees it: its acceptance reaches reach(1..cap) (nonincreasing), or a
+    fixed number of drafts (a seeded request, or one without a controller: ``reaches`` None)."""
+
+    reaches: tuple[float, ...] | None
+    fixed_drafts: int = 0
+
+
+@dataclass
+class BatchPlanner:
+    """Chooses each request's drafts for a round from measured pass and drafting costs (see module doc)."""
+
+    hurdle: float = 1.05  # speculation must promise this much more than plain decoding (untimed overheads)
+    # A pass may exceed the largest measured one by this much at most: max(2x, + explore_rows) rows.
+    # Unmeasured counts are priced optimistically, so without a bound a batch of 16 would first try
+    # all its drafts at once (96 rows at gamma 5: ~6 plain passes' time, and every drafter's
+    # catch-up) to learn that a busy server must not draft; bounded, it tries one draft a request.
+    explore_rows: int = 8
+    pass_costs: PassCosts = field(default_factory=PassCosts)
+    draft_costs: StepCosts = field(default_factory=StepCosts)  # only its drafting line is used
+
+    def plan(self, rows: list[PlanRow]) -> list[int]:
+        """Drafts per row; fixed rows keep theirs. Plain (0 for every planned row) until a pass is measured."""
+        planned = [0 if row.reaches is not None else row.fixed_drafts for row in rows]
+        if not self.pass_costs.measured():
+            return planned  # measure what a pass costs here first
+        fixed_drafts = sum(row.fixed_drafts for row in rows if row.reaches is None)
+        base_rows = len(rows) + fixed_drafts
+        # Fixed rows count one token each: their acceptance is not tracked, and the plan only
+        # compares choices for the other rows, whose tokens are counted in full.
+        base_tokens = float(len(rows))
+        increments = sorted(((reach, index) for index, row in enumerate(rows) if row.reaches is not None for reach in row.reaches), reverse=True)
+        plain_rate = base_tokens / self._round_cost(base_rows, fixed_drafts)
+        best_count, best_rate, tokens = 0, plain_rate, base_tokens
+        largest = max(self.pass_costs.seconds)
+        affordable = max(2 * largest, largest + self.explore_rows) - base_rows
+        for count, (reach, _) in enumerate(increments[: max(affordable, 0)], start=1):
+            tokens += reach
+            rate = tokens / self._round_cost(base_rows + count, fixed_drafts + count)
+            if rate > best_rate:
+                best_count, best_rate = count, rate
+        if best_count == 0 or best_rate < self.hurdle * plain_rate:
+            return planned
+        for _, index in increments[:best_count]:
+            planned[index] += 1
+        return planned
+
+    def could_pay(self, rows: list[PlanRow]) -> bool:
+        """Whether drafting could pay for these rows at all: the plan if every draft were sure to be
+        accepted. False in a batch whose every extra row costs what a plain row does: probing a
+        text's acceptance there only costs (a draft model's probe also prefills its prompt)."""
+        sure = [PlanRow((1.0,) * len(row.reaches)) if row.reaches is not None else row for row in rows]
+        return any(drafts for drafts, row in zip(self.plan(sure), rows) if row.reaches is not None)
+
+    def observe(self, rows: int, pass_s: float, draft_s: float, drafted: int) -> None:
+        """One round: a pass over ``rows`` rows took ``pass_s``; ``drafted`` drafts took ``draft_s``
+        (``drafted`` 0: nothing to learn about drafting, e.g. a round that paid a drafter's prefill)."""
+        self.pass_costs.observe(rows, pass_s)
+        if drafted > 0:
+            self.draft_costs.observe_drafting(drafted, draft_s)
+
+    def _round_cost(self, rows: int, drafts: int) -> float:
+        return self.pass_costs.cost(rows) + self.draft_costs.draft_cost(drafts)
