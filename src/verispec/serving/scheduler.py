@@ -289,9 +289,6 @@ class Scheduler:
             greedy = all(row.request.sampling.is_greedy for row in rows)
             outputs = self.target.extend(feeds, [len(feed) for feed in feeds], argmax_only=greedy)
             pass_s = time.perf_counter() - pass_started
-            num_drafted = sum(len(proposal.tokens) for proposal in proposals)
-            # A drafter's first round pays its prefill: no measure of drafting.
-            self._planner.observe(sum(map(len, feeds)), pass_s, draft_s, 0 if first_drafts else num_drafted)
         except Exception as error:  # noqa: BLE001 - the shared pass failed: nobody's tokens are valid
             logger.exception("batched target pass failed")
             for index, row in enumerate(rows):
@@ -299,6 +296,9 @@ class Scheduler:
                     self._fail(row.request, error)
             self._leave(rows)
             return
+        num_drafted = sum(len(proposal.tokens) for proposal in proposals)
+        # A drafter's first round pays its prefill: no measure of drafting.
+        self._planner.observe(sum(map(len, feeds)), pass_s, draft_s, 0 if first_drafts else num_drafted)
         kept, finished = [], set(failed)
         for index, (row, proposal, output) in enumerate(zip(rows, proposals, outputs)):
             if index in failed:
