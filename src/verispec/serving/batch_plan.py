@@ -56,11 +56,14 @@ class PassCosts:
         if place == len(counts):
             return self.seconds[counts[-1]]
         if counts[place] == rows or place == 0:
-            return self.seconds[counts[place]]
-        low, high = counts[place - 1], counts[place]
-        share = (rows - low) / (high - low)
-        interpolated = self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
-        return min(interpolated, min(self.seconds[count] for count in counts[place:]))
+            estimate = self.seconds[counts[place]]
+        else:
+            low, high = counts[place - 1], counts[place]
+            estimate = self.seconds[low] + (rows - low) / (high - low) * (self.seconds[high] - self.seconds[low])
+        # Capped by every larger measured count, a measured one included: a warm-up spike in the
+        # first plain pass must not price plain decoding above passes with drafts, for good (a
+        # count the plan stops choosing is never measured again).
+        return min([estimate, *(self.seconds[count] for count in counts[place:] if count > rows)])
 
 
 @dataclass(frozen=True)
