@@ -89,6 +89,8 @@ def test_pass_costs_interpolate_bound_and_refuse_bad_counts():
     assert costs.cost(2) == 0.1  # below the smallest: what it costs (fewer rows are never dearer)
     assert costs.cost(40) == 0.18  # above the largest: optimistic, so larger passes get tried
     assert costs.cost(8) == 0.18 and costs.cost(10) == pytest.approx(0.18)  # never above a larger measured count
+    # One sweep over a range prices each count as a lone lookup does (the sweep carries its place along).
+    assert costs.costs(1, 14) == [costs.cost(rows) for rows in range(1, 15)]
     spiked = PassCosts(seconds={1: 1.33, 2: 0.97, 3: 1.05})  # a warm-up spike in the first, plain, pass
     assert spiked.cost(1) == 0.97 and spiked.cost(3) == 1.05
     costs.observe(4, 10.0)  # a spike moves the average at most as a doubling would

@@ -49,21 +49,37 @@ class PassCosts:
         return bool(self.seconds)
 
     def cost(self, rows: int) -> float:
+        return self.costs(rows, rows)[0]
+
+    def costs(self, first: int, last: int) -> list[float]:
+        """The cost of every row count from ``first`` to ``last``, in one sweep over the measured
+        counts (a plan prices every count it considers: one lookup each cost ~4 ms a round at 32
+        requests)."""
         if not self.seconds:
             raise ValueError("no pass measured yet")
         counts = sorted(self.seconds)
-        place = bisect_left(counts, rows)
-        if place == len(counts):
-            return self.seconds[counts[-1]]
-        if counts[place] == rows or place == 0:
-            estimate = self.seconds[counts[place]]
-        else:
-            low, high = counts[place - 1], counts[place]
-            estimate = self.seconds[low] + (rows - low) / (high - low) * (self.seconds[high] - self.seconds[low])
-        # Capped by every larger measured count, a measured one included: a warm-up spike in the
-        # first plain pass must not price plain decoding above passes with drafts, for good (a
-        # count the plan stops choosing is never measured again).
-        return min([estimate, *(self.seconds[count] for count in counts[place:] if count > rows)])
+        # cheapest_from[i]: the cheapest measured count among counts[i:] (inf past the end).
+        cheapest_from = [float("inf")] * (len(counts) + 1)
+        for index in reversed(range(len(counts))):
+            cheapest_from[index] = min(self.seconds[counts[index]], cheapest_from[index + 1])
+        out, place = [], bisect_left(counts, first)
+        for rows in range(first, last + 1):
+            while place < len(counts) and counts[place] < rows:
+                place += 1
+            if place == len(counts):
+                out.append(self.seconds[counts[-1]])
+                continue
+            exact = counts[place] == rows
+            if exact or place == 0:
+                estimate = self.seconds[counts[place]]
+            else:
+                low, high = counts[place - 1], counts[place]
+                estimate = self.seconds[low] + (rows - low) / (high - low) * (self.seconds[high] - self.seconds[low])
+            # Capped by every larger measured count, a measured one included: a warm-up spike in the
+            # first plain pass must not price plain decoding above passes with drafts, for good (a
+            # count the plan stops choosing is never measured again).
+            out.append(min(estimate, cheapest_from[place + 1 if exact else place]))
+        return out
 
 
 @dataclass(frozen=True)
@@ -99,13 +115,14 @@ class BatchPlanner:
         # compares choices for the other rows, whose tokens are counted in full.
         base_tokens = float(len(rows))
         increments = sorted(((reach, index) for index, row in enumerate(rows) if row.reaches is not None for reach in row.reaches), reverse=True)
-        plain_rate = base_tokens / self._round_cost(base_rows, fixed_drafts)
-        best_count, best_rate, tokens = 0, plain_rate, base_tokens
         largest = max(self.pass_costs.seconds)
-        affordable = max(2 * largest, largest + self.explore_rows) - base_rows
-        for count, (reach, _) in enumerate(increments[: max(affordable, 0)], start=1):
+        increments = increments[: max(max(2 * largest, largest + self.explore_rows) - base_rows, 0)]
+        pass_s = self.pass_costs.costs(base_rows, base_rows + len(increments))  # [count] -> a pass with count more rows
+        plain_rate = base_tokens / (pass_s[0] + self.draft_costs.draft_cost(fixed_drafts))
+        best_count, best_rate, tokens = 0, plain_rate, base_tokens
+        for count, (reach, _) in enumerate(increments, start=1):
             tokens += reach
-            rate = tokens / self._round_cost(base_rows + count, fixed_drafts + count)
+            rate = tokens / (pass_s[count] + self.draft_costs.draft_cost(fixed_drafts + count))
             if rate > best_rate:
                 best_count, best_rate = count, rate
         if best_count == 0 or best_rate < self.hurdle * plain_rate:
@@ -127,6 +144,3 @@ class BatchPlanner:
         self.pass_costs.observe(rows, pass_s)
         if drafted > 0:
             self.draft_costs.observe_drafting(drafted, draft_s)
-
-    def _round_cost(self, rows: int, drafts: int) -> float:
-        return self.pass_costs.cost(rows) + self.draft_costs.draft_cost(drafts)

@@ -373,13 +373,13 @@ class Scheduler:
         budgets = self._planner.plan(plan_rows)
         # Acceptance is only learnt from drafts: a text left plain is re-tested now and then, unless
         # no text could pay for its drafts in this batch.
-        probing = not any(budgets) and self._planner.could_pay(plan_rows)
+        probing = any(budgets) or self._planner.could_pay(plan_rows)
         for index, row in enumerate(rows):
             if not row.round_controlled:
                 continue
             if budgets[index] > 0:
                 row.controller.speculation_paid()
-            elif probing or any(budgets):
+            elif probing:
                 budgets[index] = row.controller.plain_round()
         return budgets
 
