@@ -12,17 +12,31 @@ from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.serving import BatchGammaPolicy, BatchPlanner, PassCosts, PlanRow, Scheduler, SchedulerConfig
 
 
-def _planner(pass_s: dict[int, float], draft_base_s: float = 0.0, draft_step_s: float | None = None) -> BatchPlanner:
-    planner = BatchPlanner(pass_costs=PassCosts(seconds=dict(pass_s)))
+def _planner(pass_s: dict[int, float], draft_base_s: float = 0.0, draft_step_s: float | None = None, max_slowdown: float | None = None) -> BatchPlanner:
+    planner = BatchPlanner(pass_costs=PassCosts(seconds=dict(pass_s)), max_slowdown=max_slowdown)
     planner.draft_costs.draft_base_s, planner.draft_costs.draft_step_s = draft_base_s, draft_step_s
     return planner
+
+
+def _seconds(planner: BatchPlanner, rows: list[PlanRow], drafts: list[int]) -> float:
+    return planner.pass_costs.cost(len(rows) + sum(drafts)) + planner.draft_costs.draft_cost(sum(drafts))
 
 
 def _rate(planner: BatchPlanner, rows: list[PlanRow], drafts: list[int]) -> float:
     """E[tokens] / seconds of a round drafting ``drafts`` (the module docstring's equation)."""
     tokens = sum(1 + (sum(row.reaches[:k]) if row.reaches is not None else 0) for row, k in zip(rows, drafts))
-    seconds = planner.pass_costs.cost(len(rows) + sum(drafts)) + planner.draft_costs.draft_cost(sum(drafts))
-    return tokens / seconds
+    return tokens / _seconds(planner, rows, drafts)
+
+
+def _fair(planner: BatchPlanner, rows: list[PlanRow], drafts: list[int]) -> bool:
+    """Whether every planned row expects at least a plain round's rate / (1 + max_slowdown)."""
+    if planner.max_slowdown is None:
+        return True
+    plain_s = _seconds(planner, rows, [0 if row.reaches is not None else row.fixed_drafts for row in rows])
+    seconds = _seconds(planner, rows, drafts)
+    return all(
+        (1 + sum(row.reaches[:k])) * (1 + planner.max_slowdown) * plain_s >= seconds - 1e-12 for row, k in zip(rows, drafts) if row.reaches is not None
+    )
 
 
 def _reaches(rng: random.Random, cap: int) -> tuple[float, ...]:
@@ -33,26 +47,50 @@ def _reaches(rng: random.Random, cap: int) -> tuple[float, ...]:
     return tuple(out)
 
 
-def test_the_plan_is_the_brute_force_best_and_plain_below_the_hurdle():
+@pytest.mark.parametrize("max_slowdown", [None, 0.0, 0.1])
+def test_the_plan_is_the_brute_force_best_and_plain_below_the_hurdle(max_slowdown):
     rng = random.Random(0)
-    planned_some = planned_none = 0
+    planned_some = planned_none = bound_binds = 0
     for _ in range(300):
         rows = [PlanRow(_reaches(rng, rng.randint(0, 3))) for _ in range(rng.randint(1, 3))]
         # a pass: flat (memory-bound) up to a knee, then a cost per row; passes measured at a few counts
         knee, per_row, plain = rng.randint(1, 8), rng.uniform(0.0, 0.05), 0.1
         counts = sorted(rng.sample(range(1, 14), 4))
-        planner = _planner({count: plain + per_row * max(0, count - knee) for count in counts}, rng.uniform(0, 0.01), rng.uniform(0, 0.02))
+        planner = _planner({count: plain + per_row * max(0, count - knee) for count in counts}, rng.uniform(0, 0.01), rng.uniform(0, 0.02), max_slowdown)
         plan = planner.plan(rows)
-        choices = itertools.product(*[range(len(row.reaches) + 1) for row in rows])
-        best = max(choices, key=lambda drafts: _rate(planner, rows, list(drafts)))
+        choices = list(itertools.product(*[range(len(row.reaches) + 1) for row in rows]))
+        best = max((drafts for drafts in choices if _fair(planner, rows, list(drafts))), key=lambda drafts: _rate(planner, rows, list(drafts)))
+        unbounded = max(choices, key=lambda drafts: _rate(planner, rows, list(drafts)))
+        bound_binds += _rate(planner, rows, list(best)) < _rate(planner, rows, list(unbounded)) - 1e-9
         plain_rate = _rate(planner, rows, [0] * len(rows))
         if _rate(planner, rows, list(best)) >= planner.hurdle * plain_rate and any(best):
             assert _rate(planner, rows, plan) == pytest.approx(_rate(planner, rows, list(best)))
+            assert _fair(planner, rows, plan)
             planned_some += 1
         else:
             assert plan == [0] * len(rows)
             planned_none += 1
     assert planned_some > 50 and planned_none > 20  # both branches were exercised
+    assert (bound_binds > 20) == (max_slowdown is not None)  # and the bound changed plans where it is on
+
+
+def test_no_request_pays_for_the_others_drafts_beyond_the_bound():
+    # Rows cost 10% of a plain pass each: the two texts that draft well would take 3 drafts each,
+    # a round 60% longer, while the third text, which drafts badly, would be 60% slower than plain.
+    rows = [PlanRow((0.95, 0.9, 0.85)), PlanRow((0.95, 0.9, 0.85)), PlanRow((0.05, 0.01, 0.0))]
+    costs = {count: 0.1 + 0.01 * (count - 3) for count in (3, 6, 12)}
+    assert _planner(costs, max_slowdown=None).plan(rows) == [3, 3, 0]
+    # Bounded, the round may be at most 10% longer than plain for the third: one draft in all.
+    assert _planner(costs, max_slowdown=0.1).plan(rows) == [1, 0, 0] or _planner(costs, max_slowdown=0.1).plan(rows) == [0, 1, 0]
+    # A request that expects enough tokens itself may be planned into a longer round: here every
+    # text drafts well, so the bound lets them all draft (each is then faster than plain).
+    strong = rows[:2] + [PlanRow((0.9, 0.8, 0.7))]
+    assert _planner(costs, max_slowdown=0.1).plan(strong) == [3, 3, 3]
+    assert _planner(costs, max_slowdown=0.0).plan(strong) == [3, 3, 3]
+    # A lone request is never bounded by anyone but itself.
+    assert _planner(costs, max_slowdown=0.0).plan(rows[:1]) == [3]
+    with pytest.raises(ValueError, match="max_slowdown must be >= 0"):
+        BatchPlanner(max_slowdown=-0.1)
 
 
 def test_cheap_rows_draft_the_cap_dear_rows_decode_plainly_and_fixed_rows_keep_theirs():
@@ -121,6 +159,11 @@ def test_the_scheduler_drafts_what_the_planner_plans_and_stays_exact():
     planner = _FrozenPlanner(pass_costs=PassCosts(seconds={1: 0.1, 5: 0.1, 6: 0.2, 25: 2.1}))
     planner.rounds = []
     config = SchedulerConfig(gamma=4, gamma_policy=BatchGammaPolicy(full_until=8, off_from=40))
+    bounded = Scheduler(target, drafter, None, SchedulerConfig(max_slowdown=0.25))
+    try:  # without an injected planner the config's bound is the planner's
+        assert bounded._planner.max_slowdown == 0.25
+    finally:
+        bounded.stop()
     scheduler = Scheduler(target, drafter, None, config, planner=planner)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23], [30, 31], [40, 41, 42]]
     try:

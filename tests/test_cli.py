@@ -179,6 +179,22 @@ def test_prefill_budget_reaches_the_scheduler_and_a_bad_one_is_refused_before_lo
     assert "prefill_budget must be an integer >= 0" in err and "does not exist" not in err and "Traceback" not in err
 
 
+def test_max_slowdown_reaches_the_batch_planner_and_a_bad_one_is_refused(capsys):
+    from verispec.cli import _build_parser, serve_config
+    from verispec.serving import SchedulerConfig
+
+    assert serve_config(_build_parser().parse_args(["serve"])).scheduler.max_slowdown == 0.1
+    assert serve_config(_build_parser().parse_args(["serve", "--max-slowdown", "0"])).scheduler.max_slowdown == 0.0
+    assert serve_config(_build_parser().parse_args(["serve", "--max-slowdown", "off"])).scheduler.max_slowdown is None
+    for bad in ("-0.1", "fast", "inf"):
+        with pytest.raises(SystemExit):
+            _build_parser().parse_args(["serve", "--max-slowdown", bad])
+        assert "--max-slowdown: must be 'off' or a number >= 0" in capsys.readouterr().err
+    for bad in (-1, True, "0.1"):
+        with pytest.raises(ValueError, match="max_slowdown must be a number >= 0"):
+            SchedulerConfig(max_slowdown=bad)
+
+
 def test_greedy_lm_head_option_reaches_every_decoder_and_keeps_the_text(tiny_gguf, capsys):
     from verispec.cli import _build_parser, serve_config
 

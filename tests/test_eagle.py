@@ -280,6 +280,85 @@ def test_rounds_without_drafting_still_hand_over_every_feature(target):
     assert 0 in result.stats.drafted_per_round and max(result.stats.drafted_per_round) > 0
 
 
+def test_head_advances_many_sequences_as_each_alone(target):
+    head = fresh_head(target)
+    hidden = target.config.hidden_size
+    caches, alone_caches, lengths, new_rows = [], [], (3, 1, 6), (1, 3, 2)
+    for length in lengths:  # three sequences, each with its own cache of its own length
+        features, embeds = torch.randn(1, length, hidden), torch.randn(1, length, hidden)
+        for store in (caches, alone_caches):
+            store.append(LayerKVCache())
+            head(features, embeds, start=0, cache=store[-1])
+    features = [torch.randn(count, hidden) for count in new_rows]
+    embeds = [torch.randn(count, hidden) for count in new_rows]
+    together = head.advance_many(features, embeds, caches)  # 1, 3 and 2 new rows: a step and two catch-ups
+    assert together.shape == (3, hidden)
+    for row, cache in enumerate(alone_caches):
+        alone = head(features[row][None], embeds[row][None], start=cache.length, cache=cache, last_only=True)[0, -1]
+        torch.testing.assert_close(together[row], alone, atol=1e-5, rtol=1e-5)
+        assert caches[row].length == cache.length == lengths[row] + new_rows[row]
+        torch.testing.assert_close(caches[row].keys[:, : cache.length], cache.keys[:, : cache.length], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(caches[row].values[:, : cache.length], cache.values[:, : cache.length], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="one cache and 1\\+ rows"):
+        head.advance_many(features, embeds, caches[:2])
+    with pytest.raises(ValueError, match="one cache and 1\\+ rows"):
+        head.advance_many([features[0], torch.randn(0, hidden)], embeds[:2], caches[:2])
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_sessions_drafted_together_propose_what_each_proposes_alone(target, quantize):
+    from verispec.drafters import DraftContext
+    from verispec.drafters.base import propose_batch
+
+    drafter = EagleDrafter(target, fresh_head(target, seed=4), quantize=quantize, path_confidence=0.05)
+    prompts = [[1, 2, 3, 4], [7, 8], [9, 10, 11, 12, 13, 14], [20, 21, 22], [30]]
+    samplings = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, seed=5), SamplingParams()]
+    with torch.no_grad():
+        contexts = [DraftContext(p, target.model(torch.tensor([p[:-1]])).last_hidden_state[0] if len(p) > 1 else None, 0) for p in prompts]
+    rounds = []
+    for together in (False, True):
+        sessions = [drafter.start(p, sampling) for p, sampling in zip(prompts, samplings)]
+        generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+        max_tokens = [4, 3, 4, 2, 4]
+        if together:
+            proposals = propose_batch(sessions, contexts, max_tokens, generators)
+        else:
+            proposals = [s.propose(c, m, g) for s, c, m, g in zip(sessions, contexts, max_tokens, generators)]
+        rounds.append((proposals, [(s.num_real, s.cache.length) for s in sessions]))
+        for session in sessions:
+            session.close()
+    (alone, alone_state), (batched, batched_state) = rounds
+    assert alone_state == batched_state  # every cache cropped back to its real rows
+    assert [p.tokens for p in batched] == [p.tokens for p in alone]
+    assert [p.num_forward_passes for p in batched] == [p.num_forward_passes for p in alone]
+    assert batched[4].tokens == [] and any(len(p.tokens) > 1 for p in batched)  # a 1-token prompt has no features yet
+    # The seeded sampled session drafts alone either way: bit for bit the same (its text must not
+    # depend on the traffic). The others share products: float32 rows compute as alone up to rounding;
+    # PyTorch's int8 dynamic linears scale the activations of all rows together, so their
+    # probabilities move a little (verification uses them as they are: exact either way).
+    assert torch.equal(batched[3].probs, alone[3].probs)
+    for one, many in zip(alone, batched):
+        assert (one.probs is None) == (many.probs is None)
+        if one.probs is not None:
+            torch.testing.assert_close(many.probs, one.probs, atol=0.01 if quantize else 1e-5, rtol=0.05 if quantize else 1e-4)
+            assert all(float(many.probs[step, token]) > 0 for step, token in enumerate(many.tokens))
+
+
+def test_served_round_cost_times_sessions_alone_and_in_one_call_per_step(target, monkeypatch):
+    from verispec.bench.costs import served_round_cost
+
+    calls = []
+    advance_many = EagleHead.advance_many
+    monkeypatch.setattr(EagleHead, "advance_many", lambda self, *args: calls.append(len(args[0])) or advance_many(self, *args))
+    alone_s, together_s = served_round_cost(EagleDrafter(target, fresh_head(target)), context_tokens=12, requests=4, num_drafts=3, repeats=2)
+    assert alone_s > 0 and together_s > 0
+    # Together, per round (warm-up + 2): one catch-up call for all 4 sessions, then one call for
+    # each further draft step of all 4 (no stop rule here); alone: never (one session, one call).
+    assert calls == [4] * 9
+    with pytest.raises(ValueError, match="must be >= 1"):
+        served_round_cost(EagleDrafter(target, fresh_head(target)), context_tokens=12, requests=0, num_drafts=1)
+
+
 def test_draft_vocab_subset_proposes_only_its_tokens_with_zero_mass_elsewhere(target):
     subset = torch.tensor([2, 5, 11, 40, 41])
     drafter = EagleDrafter(target, fresh_head(target), draft_vocab=subset)

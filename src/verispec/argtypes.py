@@ -35,3 +35,16 @@ def positive_float(text: str) -> float:
 def tree_rows_value(text: str) -> int | str:
     """argparse type of ``--tree-rows``: ``auto`` or an integer >= 0 (argparse names the option)."""
     return text if text == "auto" else _integer_at_least(text, 0, "'auto' or an integer", " (0 = chains only)")
+
+
+def slowdown_value(text: str) -> float | None:
+    """argparse type of ``serve --max-slowdown``: ``off`` (None) or a finite number >= 0."""
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'off' or a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 'off' or a number >= 0, got {text}")
+    return value

@@ -334,8 +334,9 @@ def _add_loading_options(sub: argparse.ArgumentParser, drafter: str = "draft-mod
 
 
 def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private subparsers action
-    from verispec.argtypes import positive_float, positive_int
+    from verispec.argtypes import positive_float, positive_int, slowdown_value
     from verispec.engine.monitor import MonitorConfig
+    from verispec.serving.batch_plan import BatchPlanner
     from verispec.serving.gamma_policy import BatchGammaPolicy
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server batching concurrent requests through speculative decoding")
@@ -349,6 +350,7 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests; beyond this the server answers 429 (default 64)")
     serve.add_argument("--gamma-full-batch", type=int, default=BatchGammaPolicy.full_until, help=f"batches up to this size draft the full --gamma (default {BatchGammaPolicy.full_until}: requests speculating together draft together; measured on 2 CPU cores, README)")
     serve.add_argument("--gamma-off-batch", type=int, default=BatchGammaPolicy.off_from, help=f"batches of this size or more decode plainly, gamma 0 (default {BatchGammaPolicy.off_from}); gamma tapers in between")
+    serve.add_argument("--max-slowdown", type=slowdown_value, default=BatchPlanner.max_slowdown, metavar="F|off", help=f"with --gamma-control adaptive: the batch planner drafts only where no request's expected tokens/s fall more than F (a fraction) below a plain round's because of the other requests' drafts: a text that drafts badly is not slowed by the rest of the batch speculating; 0: no request may be slowed; off: the batch's total rate alone decides (default {BatchPlanner.max_slowdown})")
     serve.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_MB, metavar="MB", help=f"keep up to MB of the keys/values (and features) of earlier requests, for the target and for the draft model each, so that a request starts from the longest prefix it shares with them (the chat template's system prompt, a conversation's earlier turns and answers) and prefills only the rest; least recently used dropped first. The tokens are the same as without it (every pass then runs each row as alone through the fused stack; a cold prompt of 1K+ tokens may prefill slower). Needs lean batching; 0 = off (default {DEFAULT_PREFIX_CACHE_MB})")
     serve.add_argument("--batching", choices=["lean", "masked"], default="lean", help="lean (default): where the target runs the lean forward (panel kernels), each request keeps its own KV cache and a pass is one fused kernel call over every request's rows, a lone request exactly as `verispec generate` runs it; masked: transformers' forward over one shared, padded KV cache with an attention mask (what other targets always use)")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of requests that give none (default 256)")
@@ -598,6 +600,7 @@ def serve_config(args: argparse.Namespace):  # noqa: ANN201 - a ServeConfig (ver
     scheduler = SchedulerConfig(
         gamma=args.gamma, max_batch=args.max_batch, max_queue=args.max_queue, gamma_policy=policy, adaptive_gamma=args.gamma_control == "adaptive", monitor=monitor,
         screen_lm_head=args.greedy_lm_head == "screened", lean_batching=args.batching == "lean", prefix_cache_mb=args.prefix_cache_mb, prefill_budget=args.prefill_budget,
+        max_slowdown=args.max_slowdown,
     )
     return ServeConfig(model_id=args.model_id or args.target, api_key=args.api_key, default_max_tokens=args.default_max_tokens, scheduler=scheduler)
 
@@ -735,8 +738,9 @@ def _costs(args: argparse.Namespace) -> int:
     if bf16_panel:
         table.add("target panel, bfloat16" + mark.get("panel", ""), forward_costs, use_gqa_attention(use_panel_kernels(target.model)), args.context, counts, args.repeats)
     catch_ups: dict[str, float] = {}  # seconds of each head's catch-up over a prompt of code
+    served_rounds: list[str] = []  # a server round's drafting, sessions alone and together
     if head_path is not None:
-        from verispec.bench.costs import catch_up_cost, eagle_costs
+        from verispec.bench.costs import catch_up_cost, eagle_costs, served_round_cost
         from verispec.drafters.eagle import EagleDrafter
         from verispec.drafters.far_memory import FarMemoryConfig
 
@@ -753,6 +757,10 @@ def _costs(args: argparse.Namespace) -> int:
                 if prompt_ids is not None:
                     catch_ups[name] = catch_up_cost(drafter, prompt_ids, args.repeats)
                     print(f"costs: {name}: catch-up over a {args.context}-token prompt: {catch_ups[name] * 1000:.0f} ms", file=sys.stderr, flush=True)
+            for requests, drafts in ((4, 1), (8, 1), (8, 3)):  # what a server round pays (sessions drafting together: propose_many)
+                alone_s, together_s = served_round_cost(quantized, min(args.context, 2048), requests, drafts, args.repeats)
+                served_rounds.append(f"eagle int8: a server round of {requests} requests drafting {drafts} each: {alone_s * 1000:.1f} ms alone, {together_s * 1000:.1f} ms together ({alone_s / together_s:.1f}x)")
+                print(f"costs: {served_rounds[-1]}", file=sys.stderr, flush=True)
             del quantized, heads
         table.add("eagle, full vocab", eagle_costs, EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
@@ -788,6 +796,8 @@ def _costs(args: argparse.Namespace) -> int:
     print(format_costs(table.rows))
     for name, seconds in catch_ups.items():
         print(f"{name}: catch-up over a {args.context}-token prompt of standard-library code (a request's first draft): {seconds * 1000:.0f} ms")
+    for line in served_rounds:
+        print(line)
     return 0
 
 

@@ -243,3 +243,43 @@ def proposal_cost(drafter, context_tokens: int, num_drafts: int, repeats: int = 
         times.append((time.perf_counter() - started) / max(1, len(proposal.tokens)))
     session.close()
     return statistics.median(times[1:])
+
+
+def served_round_cost(drafter, context_tokens: int, requests: int, num_drafts: int, repeats: int = 5) -> tuple[float, float]:  # noqa: ANN001 - a Drafter that needs target features
+    """Median seconds of one server round's drafting for ``requests`` sessions, each alone and all
+    together (:func:`~verispec.drafters.base.propose_batch`: one call per step for all where the
+    session class offers ``propose_many``). Each session has read a ``context_tokens`` prompt (a
+    different length each, untimed) and the timed round hands it 2 new features, as after a
+    round that accepted one draft; it then drafts ``num_drafts`` tokens. Features are random."""
+    from verispec.drafters.base import DraftContext, propose_batch
+    from verispec.sampling import SamplingParams
+
+    if context_tokens < 1 or requests < 1 or num_drafts < 1 or repeats < 1:
+        raise ValueError("context_tokens, requests, num_drafts and repeats must be >= 1")
+    generator = torch.Generator().manual_seed(0)
+    hidden, vocab = drafter.embed.weight.shape[1], drafter.embed.weight.shape[0]
+    tokens = [(7 * i + 11) % vocab for i in range(context_tokens + requests + 2)]
+    features = torch.randn(len(tokens), hidden, generator=generator)
+    medians = []
+    for together in (False, True):
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            sessions, rounds = [], []
+            for index in range(requests):
+                length = context_tokens + index  # each request at its own position
+                session = drafter.start(tokens[:length], SamplingParams())
+                session.propose(DraftContext(tokens[:length], features[: length - 1], 0), 1, generator)
+                sessions.append(session)
+                rounds.append(DraftContext(tokens[: length + 2], features[length - 1 : length + 1], length - 1))
+            generators = [torch.Generator().manual_seed(index) for index in range(requests)]
+            started = time.perf_counter()
+            if together:
+                propose_batch(sessions, rounds, [num_drafts] * requests, generators)
+            else:
+                for session, context, row_generator in zip(sessions, rounds, generators):
+                    session.propose(context, num_drafts, row_generator)
+            times.append(time.perf_counter() - started)
+            for session in sessions:
+                session.close()
+        medians.append(statistics.median(times[1:]))
+    return medians[0], medians[1]

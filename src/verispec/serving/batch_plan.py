@@ -20,6 +20,20 @@ the target computes it.
 For a fixed K the best choice takes the K largest reach_i(j) over all requests (each request's
 reaches fall with j, so the K largest are a prefix of every request's drafts) and R = B + K, so the
 best plan is found by adding drafts in order of reach and keeping the best prefix.
+
+**No request pays for the others' drafts** beyond ``max_slowdown``: every planned request must expect
+at least a plain round's rate over (1 + max_slowdown),
+
+    E_i(k_i) / T(K) >= 1 / ((1 + max_slowdown) T(0))   <=>   E_i(k_i) >= need(K) = T(K) / ((1 + max_slowdown) T(0)).
+
+Why: the rate above counts tokens, not whose they are. It lets the requests that draft well speed
+up while a request whose text drafts badly (E ~ 1) rides every longer round: in a burst of 8
+HumanEval requests on the EAGLE server the median latency was plain decoding's while the p90 was
+26% longer (README, Performance, 2026-12-06 (late night)), and a user whose text defeats the drafter
+should get plain decoding's speed, not less. While need(K) <= 1 the bound holds for every plan (E >= 1). Above it each request
+needs r_i drafts, the fewest with E_i(r_i) >= need(K) (none enough: no plan of K drafts is allowed),
+and the best plan of K drafts gives each its r_i and the K - sum r_i largest remaining reaches
+(again a prefix of each request's remaining drafts: exact).
 """
 
 from __future__ import annotations
@@ -28,6 +42,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from verispec.engine.gamma import StepCosts, clipped_mix
+
+_SLACK = 1e-12  # sums of the same reaches in another order may differ in the last bit
 
 
 @dataclass
@@ -101,8 +117,15 @@ class BatchPlanner:
     # all its drafts at once (96 rows at gamma 5: ~6 plain passes' time, and every drafter's
     # catch-up) to learn that a busy server must not draft; bounded, it tries one draft a request.
     explore_rows: int = 8
+    # No planned request's expected rate may fall more than this below a plain round's (module doc);
+    # None: the batch's rate alone decides.
+    max_slowdown: float | None = 0.1
     pass_costs: PassCosts = field(default_factory=PassCosts)
     draft_costs: StepCosts = field(default_factory=StepCosts)  # only its drafting line is used
+
+    def __post_init__(self) -> None:
+        if self.max_slowdown is not None and not self.max_slowdown >= 0:
+            raise ValueError(f"max_slowdown must be >= 0 (or None: no bound), got {self.max_slowdown!r}")
 
     def plan(self, rows: list[PlanRow]) -> list[int]:
         """Drafts per row; fixed rows keep theirs. Plain (0 for every planned row) until a pass is measured."""
@@ -118,18 +141,34 @@ class BatchPlanner:
         largest = max(self.pass_costs.seconds)
         increments = increments[: max(max(2 * largest, largest + self.explore_rows) - base_rows, 0)]
         pass_s = self.pass_costs.costs(base_rows, base_rows + len(increments))  # [count] -> a pass with count more rows
-        plain_rate = base_tokens / (pass_s[0] + self.draft_costs.draft_cost(fixed_drafts))
-        best_count, best_rate, tokens = 0, plain_rate, base_tokens
-        for count, (reach, _) in enumerate(increments, start=1):
+        round_s = [pass_s[count] + self.draft_costs.draft_cost(fixed_drafts + count) for count in range(len(increments) + 1)]
+        plain_rate = base_tokens / round_s[0]
+        # The longest round that keeps a request expecting one token within the bound.
+        longest_s = round_s[0] * (1 + self.max_slowdown) if self.max_slowdown is not None else float("inf")
+        # The most tokens the weakest planned text can expect: a round needing more is out for every plan.
+        weakest = min((1.0 + sum(row.reaches) for row in rows if row.reaches is not None), default=float("inf"))
+        prefix_expected = {index: 1.0 for index, row in enumerate(rows) if row.reaches is not None}  # E_i along the prefix
+        best_rate, best_plan, tokens = plain_rate, None, base_tokens
+        for count, (reach, index) in enumerate(increments, start=1):
             tokens += reach
-            rate = tokens / (pass_s[count] + self.draft_costs.draft_cost(fixed_drafts + count))
+            prefix_expected[index] += reach
+            need = round_s[count] / longest_s
+            if need <= 1.0 or min(prefix_expected.values()) + _SLACK >= need:
+                rate, plan = tokens / round_s[count], count  # the prefix of ``count`` likeliest drafts
+            else:
+                lifted = _lift_to(rows, count, need) if need <= weakest + _SLACK else None
+                if lifted is None:
+                    continue
+                rate, plan = (base_tokens + lifted[1]) / round_s[count], lifted[0]
             if rate > best_rate:
-                best_count, best_rate = count, rate
-        if best_count == 0 or best_rate < self.hurdle * plain_rate:
+                best_rate, best_plan = rate, plan
+        if best_plan is None or best_rate < self.hurdle * plain_rate:
             return planned
-        for _, index in increments[:best_count]:
-            planned[index] += 1
-        return planned
+        if isinstance(best_plan, int):
+            for _, index in increments[:best_plan]:
+                planned[index] += 1
+            return planned
+        return best_plan
 
     def could_pay(self, rows: list[PlanRow]) -> bool:
         """Whether drafting could pay for these rows at all: the plan if every draft were sure to be
@@ -144,3 +183,30 @@ class BatchPlanner:
         self.pass_costs.observe(rows, pass_s)
         if drafted > 0:
             self.draft_costs.observe_drafting(drafted, draft_s)
+
+
+def _lift_to(rows: list[PlanRow], count: int, need: float) -> tuple[list[int], float] | None:
+    """The plan of ``count`` drafts with the most expected tokens in which every planned row expects
+    at least ``need`` tokens (its drafts, and the tokens they add), or None if there is none."""
+    drafts = [row.fixed_drafts if row.reaches is None else 0 for row in rows]
+    added, rest = 0.0, []
+    for index, row in enumerate(rows):
+        if row.reaches is None:
+            continue
+        expected = 1.0
+        for reach in row.reaches:
+            if expected + _SLACK >= need:
+                break
+            expected += reach
+            drafts[index] += 1
+        if expected + _SLACK < need:
+            return None  # this text cannot expect enough tokens to pay for a round this long
+        added += expected - 1.0
+        rest.extend((reach, index) for reach in row.reaches[drafts[index] :])
+    spare = count - sum(drafts[index] for index, row in enumerate(rows) if row.reaches is not None)
+    if spare < 0 or spare > len(rest):
+        return None
+    for reach, index in sorted(rest, reverse=True)[:spare]:
+        drafts[index] += 1
+        added += reach
+    return drafts, added

@@ -72,6 +72,9 @@ class SchedulerConfig:
     # Drafts planned per round below the batch policy's gamma from each request's acceptance and the
     # measured costs (unseeded requests: see _draft_budgets); False: every request drafts that gamma.
     adaptive_gamma: bool = True
+    # With adaptive_gamma: no request's expected rate in a round may fall more than this below a plain
+    # round's because of the others' drafts (BatchPlanner.max_slowdown); None: the batch's rate alone.
+    max_slowdown: float | None = BatchPlanner.max_slowdown
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
     # The acceptance monitor's window and floor (a warning per request / key / global dip below it).
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -100,6 +103,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.prefill_budget, bool) or not isinstance(self.prefill_budget, int) or self.prefill_budget < 0:
             raise ValueError(f"prefill_budget must be an integer >= 0 (0 = admit every waiting request at once), got {self.prefill_budget!r}")
+        if self.max_slowdown is not None and (isinstance(self.max_slowdown, bool) or not isinstance(self.max_slowdown, (int, float)) or not self.max_slowdown >= 0):
+            raise ValueError(f"max_slowdown must be a number >= 0 (or None: no bound), got {self.max_slowdown!r}")
         prefix_cache_of_mb(self.prefix_cache_mb)  # checked here, built per scheduler (an empty cache costs nothing)
 
 
@@ -179,7 +184,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self._wants_features = bool(drafter is not None and drafter.needs_target_features)
         # One target, one drafter: the costs are the server's, the acceptance each request's.
-        self._planner = planner if planner is not None else BatchPlanner()
+        self._planner = planner if planner is not None else BatchPlanner(max_slowdown=self.config.max_slowdown)
         self._waiting: deque[GenerationRequest] = deque()
         self._rows: list[_Row] = []  # the scheduler thread's alone
         self._lock = threading.Condition()

@@ -94,6 +94,9 @@ class EagleDrafter:
         return EagleSession(self, sampling, far_memory)
 
 
+_NO_PROPOSAL = Proposal(tokens=[], probs=None)
+
+
 class EagleSession:
     def __init__(self, drafter: EagleDrafter, sampling: SamplingParams, far_memory: FarMemoryConfig | None = None) -> None:
         self.drafter = drafter
@@ -103,43 +106,31 @@ class EagleSession:
         self.num_real = 0  # head positions fed with real target features (0 .. num_real-1)
         self.next_feature: torch.Tensor | None = None  # [hidden]: f̂ at position num_real, from the catch-up
 
-    @torch.inference_mode()
     def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
-        drafter, head = self.drafter, self.drafter.head
-        passes = self._catch_up(context)
-        if self.next_feature is None or self.num_real != len(context.token_ids) - 1:
-            return Proposal(tokens=[], probs=None, num_forward_passes=passes)  # no features yet (1-token prompt)
-        feature = self.next_feature[None]  # [1, hidden]
-        tokens: list[int] = []
-        step_probs: list[torch.Tensor] = []
-        alternatives: list[tuple[int, int, float]] = []  # (draft index, runner-up token, the head's probability of the path to it)
-        path_prob = 1.0  # the head's probability of this round's drafts so far
-        while True:
-            logits = drafter.draft_logits(feature)[0]  # [draft_vocab]
-            if self.sampling.is_greedy:
-                index = int(logits.argmax())
-                token_prob = 1.0  # not needed without a stop rule or runner-ups
-                if drafter.path_confidence is not None or drafter.alternatives:
-                    probs = torch.softmax(logits, -1)  # [draft_vocab]
-                    token_prob = float(probs[index])
-                    alternatives += [(len(tokens), other, path_prob * prob) for other, prob in runner_ups(probs, index, drafter.alternatives, drafter.vocab_ids)]
-            else:
-                probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
-                index = int(sample_from(probs, generator))
-                token_prob = float(probs[index])
-                step_probs.append(full_vocab_probs(probs, drafter.vocab_ids, drafter.vocab_size))
-                alternatives += [(len(tokens), other, path_prob * prob) for other, prob in runner_ups(probs, index, drafter.alternatives, drafter.vocab_ids, sampled=True)]
-            token = index if drafter.vocab_ids is None else int(drafter.vocab_ids[index])
-            tokens.append(token)
-            path_prob *= token_prob
-            if len(tokens) == max_tokens or round_stops(token_prob, path_prob, None, drafter.path_confidence):
-                break
-            embed = drafter.embed(torch.tensor([[token]]))  # [1, 1, hidden]
-            feature = head(feature[None], embed.float(), start=self.cache.length, cache=self.cache, far_memory=self.far_memory)[0]  # [1, hidden]
-            passes += 1
-        self.cache.crop(self.num_real)  # drafted positions go; the next round feeds real features there
-        probs = torch.stack(step_probs) if step_probs else None
-        return Proposal(tokens=tokens, probs=probs, num_forward_passes=passes, alternatives=alternatives)
+        return EagleSession.propose_many([self], [context], [max_tokens], [generator])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(sessions: list["EagleSession"], contexts: list[DraftContext], max_tokens: list[int], generators: list[torch.Generator]) -> list[Proposal]:
+        """One proposal per session (batched serving), drafted in lockstep: each step reads every
+        drafting session's features through ONE LM-head product and one head call
+        (:meth:`EagleHead.advance_many`, each row attending to its own session's cache). Why: alone, a
+        session pays the LM head over the draft vocabulary (~50 MB of int8 weights for the 1.5B
+        target) and the head's weights per step, and a server round of 8 requests paid that 8 times.
+        Each session keeps its own sampling, stop rules and generator. Drafted alone (as
+        :meth:`propose`): a session whose head attends with far memory, and a seeded sampled one,
+        whose text must not depend on the traffic (a batched product may round differently)."""
+        groups: dict[int, list[int]] = {}
+        for index, session in enumerate(sessions):
+            together = session.far_memory is None or not session.far_memory.changes_attention
+            together = together and (session.sampling.is_greedy or session.sampling.seed is None)
+            groups.setdefault(id(session.drafter) if together else -1 - index, []).append(index)
+        proposals: list[Proposal] = [_NO_PROPOSAL] * len(sessions)
+        for indices in groups.values():
+            drafted = _draft_in_lockstep([sessions[i] for i in indices], [contexts[i] for i in indices], [max_tokens[i] for i in indices], [generators[i] for i in indices])
+            for index, proposal in zip(indices, drafted):
+                proposals[index] = proposal
+        return proposals
 
     def _catch_up(self, context: DraftContext) -> int:
         """Feed the head every real feature it has not seen; return the number of head calls (0 or 1)."""
@@ -175,3 +166,83 @@ class EagleSession:
     def close(self) -> None:
         self.cache = LayerKVCache()
         self.num_real, self.next_feature = 0, None
+
+
+def _draft_in_lockstep(sessions: list[EagleSession], contexts: list[DraftContext], max_tokens: list[int], generators: list[torch.Generator]) -> list[Proposal]:
+    """Proposals of sessions sharing one drafter (see :meth:`EagleSession.propose_many`); a lone
+    session's head steps are :meth:`EagleHead.forward` as always (far memory included)."""
+    drafter, head = sessions[0].drafter, sessions[0].drafter.head
+    passes = _catch_up_many(sessions, contexts)
+    tokens: list[list[int]] = [[] for _ in sessions]
+    step_probs: list[list[torch.Tensor]] = [[] for _ in sessions]
+    alternatives: list[list[tuple[int, int, float]]] = [[] for _ in sessions]  # (draft index, runner-up, the head's probability of the path to it)
+    path_probs = [1.0] * len(sessions)  # the head's probability of each round's drafts so far
+    # A session drafts once the head has read every real feature (not yet: a 1-token prompt).
+    drafting = [i for i, (session, context) in enumerate(zip(sessions, contexts)) if max_tokens[i] > 0 and session.next_feature is not None and session.num_real == len(context.token_ids) - 1]
+    features = torch.stack([sessions[i].next_feature for i in drafting]) if drafting else None  # [drafting, hidden]
+    while drafting:
+        logits = drafter.draft_logits(features)  # [drafting, draft_vocab]
+        still: list[int] = []
+        for row, index in enumerate(drafting):
+            session, row_logits = sessions[index], logits[row]
+            if session.sampling.is_greedy:
+                choice = int(row_logits.argmax())
+                token_prob = 1.0  # not needed without a stop rule or runner-ups
+                if drafter.path_confidence is not None or drafter.alternatives:
+                    probs = torch.softmax(row_logits, -1)  # [draft_vocab]
+                    token_prob = float(probs[choice])
+                    alternatives[index] += [(len(tokens[index]), other, path_probs[index] * prob) for other, prob in runner_ups(probs, choice, drafter.alternatives, drafter.vocab_ids)]
+            else:
+                probs = logits_to_probs(row_logits, session.sampling)  # [draft_vocab]
+                choice = int(sample_from(probs, generators[index]))
+                token_prob = float(probs[choice])
+                step_probs[index].append(full_vocab_probs(probs, drafter.vocab_ids, drafter.vocab_size))
+                alternatives[index] += [(len(tokens[index]), other, path_probs[index] * prob) for other, prob in runner_ups(probs, choice, drafter.alternatives, drafter.vocab_ids, sampled=True)]
+            tokens[index].append(choice if drafter.vocab_ids is None else int(drafter.vocab_ids[choice]))
+            path_probs[index] *= token_prob
+            if len(tokens[index]) < max_tokens[index] and not round_stops(token_prob, path_probs[index], None, drafter.path_confidence):
+                still.append(row)
+        if not still:
+            break
+        embeds = drafter.embed(torch.tensor([[tokens[drafting[row]][-1] for row in still]]))[0].float()  # [still, hidden]
+        features = features[still]
+        drafting = [drafting[row] for row in still]
+        if len(drafting) == 1:  # alone: the head's own cached step, far memory included
+            session = sessions[drafting[0]]
+            features = head(features[None], embeds[None], start=session.cache.length, cache=session.cache, far_memory=session.far_memory)[0]  # [1, hidden]
+        else:
+            features = head.advance_many(list(features[:, None]), list(embeds[:, None]), [sessions[i].cache for i in drafting])  # [still, hidden]
+        for index in drafting:
+            passes[index] += 1
+    proposals = []
+    for index, session in enumerate(sessions):
+        session.cache.crop(session.num_real)  # drafted positions go; the next round feeds real features there
+        probs = torch.stack(step_probs[index]) if step_probs[index] else None
+        proposals.append(Proposal(tokens=tokens[index], probs=probs, num_forward_passes=passes[index], alternatives=alternatives[index]))
+    return proposals
+
+
+def _catch_up_many(sessions: list[EagleSession], contexts: list[DraftContext]) -> list[int]:
+    """Every session reads the real features it has not seen (:meth:`EagleSession._catch_up`); a
+    round's few rows per session in one head call for all (:meth:`EagleHead.advance_many`), a
+    prompt (or a lone session) in its own call. Returns each session's head calls (0 or 1)."""
+    passes, few = [0] * len(sessions), []
+    for index, (session, context) in enumerate(zip(sessions, contexts)):
+        rows = unseen_context_rows(context, session.num_real, "EAGLE")
+        if rows is not None and len(sessions) > 1 and len(rows[0]) <= DISTINCT_EMBEDS_FROM_ROWS and session._never_read(len(rows[0])) == 0:
+            few.append((index, rows))
+        else:
+            passes[index] = session._catch_up(context)
+    if len(few) == 1:
+        passes[few[0][0]] = sessions[few[0][0]]._catch_up(contexts[few[0][0]])
+    elif few:
+        drafter = sessions[0].drafter
+        embeds = drafter.embed(torch.cat([next_tokens for _, (_, next_tokens) in few])[None])[0].float()  # [rows, hidden]
+        predicted = drafter.head.advance_many(
+            [fresh.float() for _, (fresh, _) in few], list(embeds.split([len(fresh) for _, (fresh, _) in few])), [sessions[index].cache for index, _ in few]
+        )  # [len(few), hidden]
+        for (index, (fresh, _)), feature in zip(few, predicted):
+            sessions[index].num_real += len(fresh)
+            sessions[index].next_feature = feature
+            passes[index] = 1
+    return passes

@@ -163,6 +163,36 @@ class EagleHead(nn.Module):
             context = shared_prefix_attention(query, prefix, None, (keys[None, :, seen:], values[None, :, seen:]), causal=True)
         return self._finish(hidden, context)
 
+    def advance_many(
+        self,
+        features: list[torch.Tensor],  # each [n_s, hidden]: f_i of sequence s's new rows (real, or the head's own prediction)
+        next_embeds: list[torch.Tensor],  # each [n_s, hidden]: embed(x_{i+1}) of those rows
+        caches: list[LayerKVCache],  # one per sequence (attended as trained: no far memory)
+    ) -> torch.Tensor:
+        """Feed each sequence s its ``n_s`` new rows at the end of ``caches[s]`` and predict the next
+        feature of its last row # [sequences, hidden]: per sequence what :meth:`forward` with that
+        cache and ``last_only`` computes (a drafting step is n_s = 1; a round's catch-up a few rows),
+        with the products run once over every sequence's rows (batched serving: the head's weights
+        read once a step, not once a request). Every row's key and value are cached; only the last
+        rows get a query, attention and MLP."""
+        if not len(features) == len(next_embeds) == len(caches) or any(len(f) == 0 or len(f) != len(e) for f, e in zip(features, next_embeds)):
+            raise ValueError(f"advance_many takes one cache and 1+ rows of features and embeddings per sequence: {len(features)} / {len(next_embeds)} / {len(caches)}")
+        counts = [len(rows) for rows in features]
+        last = torch.tensor(counts).cumsum(0) - 1  # each sequence's last row
+        hidden, normed, key, value = self._inputs(torch.cat(features)[None], torch.cat(next_embeds)[None])  # key, value: [1, kv_heads, N, head_dim]
+        positions = torch.cat([torch.arange(cache.length, cache.length + count) for cache, count in zip(caches, counts)]).float()
+        cos, sin = rotary_cos_sin(positions.to(key.device), self.inv_freq)  # [N, head_dim]
+        key = apply_rotary(key, cos, sin)
+        query = apply_rotary(self._query(normed[:, last]), cos[last], sin[last])  # [1, heads, sequences, head_dim]
+        contexts, first = [], 0
+        for index, (cache, count) in enumerate(zip(caches, counts)):
+            keys, values = cache.append(key[0, :, first : first + count], value[0, :, first : first + count])  # [kv_heads, length, head_dim]
+            first += count
+            seen = keys.shape[1] - 1  # the last row sees every earlier key, then its own
+            prefix = (keys[None, :, :seen], values[None, :, :seen]) if seen else None
+            contexts.append(shared_prefix_attention(query[:, :, index : index + 1], prefix, None, (keys[None, :, seen:], values[None, :, seen:]), causal=True))
+        return self._finish(hidden[:, last], torch.cat(contexts, dim=2))[0]
+
     def independent_steps(
         self,
         features: torch.Tensor,  # [rows, hidden]: f_i of each row (real, or drafted by another head)
