@@ -89,8 +89,9 @@ def test_no_request_pays_for_the_others_drafts_beyond_the_bound():
     assert _planner(costs, max_slowdown=0.0).plan(strong) == [3, 3, 3]
     # A lone request is never bounded by anyone but itself.
     assert _planner(costs, max_slowdown=0.0).plan(rows[:1]) == [3]
-    with pytest.raises(ValueError, match="max_slowdown must be >= 0"):
-        BatchPlanner(max_slowdown=-0.1)
+    for bad in (-0.1, True, "0.1"):
+        with pytest.raises(ValueError, match="max_slowdown must be a number >= 0"):
+            BatchPlanner(max_slowdown=bad)
 
 
 def test_cheap_rows_draft_the_cap_dear_rows_decode_plainly_and_fixed_rows_keep_theirs():

@@ -227,6 +227,32 @@ def tree_alternatives(tree_rows: int) -> int:
     return TREE_ALTERNATIVES if tree_rows else 0
 
 
+def pick_draft(
+    logits: torch.Tensor,  # [draft_vocab]: one draft step's logits
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    needs_prob: bool,  # greedy: whether the caller reads the token's probability (stop rules, path scores)
+    alternatives: int,  # runner-ups wanted
+    vocab_ids: torch.Tensor | None,  # [draft_vocab] int64 token id of each entry; None: entry i is token i
+    vocab_size: int,  # the target's vocabulary (width of q_draft when sampling)
+) -> tuple[int, float, torch.Tensor | None, list[tuple[int, float]]]:
+    """One draft step's choice, for every drafter that reads logits: (token id, its probability —
+    1.0 when greedy and not ``needs_prob`` —, when sampling q_draft # [vocab_size] over the full
+    vocabulary, the runner-ups as :func:`runner_ups` gives them). One softmax serves the token's
+    probability and the runner-ups; greedy without either needs none."""
+    if sampling.is_greedy:
+        index = int(logits.argmax())
+        token = index if vocab_ids is None else int(vocab_ids[index])
+        if not needs_prob and not alternatives:
+            return token, 1.0, None, []
+        probs = torch.softmax(logits, -1)  # [draft_vocab]
+        return token, (float(probs[index]) if needs_prob else 1.0), None, runner_ups(probs, index, alternatives, vocab_ids)
+    probs = logits_to_probs(logits, sampling)  # [draft_vocab]
+    index = int(sample_from(probs, generator))
+    token = index if vocab_ids is None else int(vocab_ids[index])
+    return token, float(probs[index]), full_vocab_probs(probs, vocab_ids, vocab_size), runner_ups(probs, index, alternatives, vocab_ids, sampled=True)
+
+
 def runner_ups(
     probs: torch.Tensor,  # [draft_vocab]: one draft step's distribution (q_draft when sampling)
     index: int,  # the drafted entry (the argmax, or the sampled one)
@@ -312,28 +338,10 @@ class DraftModelSession:
         ]
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float, torch.Tensor | None, list[tuple[int, float]]]:
-        """The draft token from one step's logits # [draft_vocab], its probability (1.0 when greedy
-        without stop rules: not needed), when sampling q_draft over the full vocabulary, and when
-        with ``alternatives`` the next-best tokens with their probabilities. One softmax serves
-        the stop rules and the runner-ups."""
-        if self.sampling.is_greedy:
-            index = int(logits.argmax())
-            stop_rules = self.confidence_threshold is not None or self.path_confidence is not None
-            if not stop_rules and not self.alternatives:
-                return self._token_id(index), 1.0, None, []
-            probs = torch.softmax(logits, -1)  # [draft_vocab]
-            return self._token_id(index), (float(probs[index]) if stop_rules else 1.0), None, self._runner_ups(probs, index)
-        probs = logits_to_probs(logits, self.sampling)  # [draft_vocab]
-        index = int(sample_from(probs, generator))
-        alternatives = runner_ups(probs, index, self.alternatives, self.vocab_ids, sampled=True)
-        return self._token_id(index), float(probs[index]), full_vocab_probs(probs, self.vocab_ids, self.vocab_size), alternatives
-
-    def _runner_ups(self, probs: torch.Tensor, index: int) -> list[tuple[int, float]]:
-        return runner_ups(probs, index, self.alternatives, self.vocab_ids)
-
-    def _token_id(self, index: int) -> int:
-        """The vocabulary id of draft-vocabulary logit ``index``."""
-        return index if self.vocab_ids is None else int(self.vocab_ids[index])
+        """:func:`pick_draft` with this session's sampling, runner-ups and vocabulary; the token's
+        probability is needed by the stop rules only."""
+        stop_rules = self.confidence_threshold is not None or self.path_confidence is not None
+        return pick_draft(logits, self.sampling, generator, stop_rules, self.alternatives, self.vocab_ids, self.vocab_size)
 
     def _stops(self, token_prob: float, path_prob: float) -> bool:
         return round_stops(token_prob, path_prob, self.confidence_threshold, self.path_confidence)

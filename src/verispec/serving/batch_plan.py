@@ -124,8 +124,9 @@ class BatchPlanner:
     draft_costs: StepCosts = field(default_factory=StepCosts)  # only its drafting line is used
 
     def __post_init__(self) -> None:
-        if self.max_slowdown is not None and not self.max_slowdown >= 0:
-            raise ValueError(f"max_slowdown must be >= 0 (or None: no bound), got {self.max_slowdown!r}")
+        slowdown = self.max_slowdown
+        if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown >= 0):
+            raise ValueError(f"max_slowdown must be a number >= 0 (or None: no bound), got {slowdown!r}")
 
     def plan(self, rows: list[PlanRow]) -> list[int]:
         """Drafts per row; fixed rows keep theirs. Plain (0 for every planned row) until a pass is measured."""

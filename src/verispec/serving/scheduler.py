@@ -103,8 +103,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.prefill_budget, bool) or not isinstance(self.prefill_budget, int) or self.prefill_budget < 0:
             raise ValueError(f"prefill_budget must be an integer >= 0 (0 = admit every waiting request at once), got {self.prefill_budget!r}")
-        if self.max_slowdown is not None and (isinstance(self.max_slowdown, bool) or not isinstance(self.max_slowdown, (int, float)) or not self.max_slowdown >= 0):
-            raise ValueError(f"max_slowdown must be a number >= 0 (or None: no bound), got {self.max_slowdown!r}")
+        BatchPlanner(max_slowdown=self.max_slowdown)  # checked here, built per scheduler
         prefix_cache_of_mb(self.prefix_cache_mb)  # checked here, built per scheduler (an empty cache costs nothing)
 
 

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
-from verispec.drafters.draft_model import checked_alternatives, checked_threshold, round_stops, runner_ups
-from verispec.drafters.draft_vocab import full_vocab_probs, reduced_lm_head, resolve_head
+from verispec.drafters.draft_model import checked_alternatives, checked_threshold, pick_draft, round_stops
+from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
 from verispec.drafters.far_memory import FarMemoryConfig, checked_far_memory
 from verispec.engine.kv_cache import LayerKVCache
-from verispec.sampling import SamplingParams, logits_to_probs, sample_from
+from verispec.sampling import SamplingParams
 
 
 # What `generate`, `compare` and `serve` pass as ``path_confidence`` (README, Performance, 2026-12-04
@@ -180,25 +180,16 @@ def _draft_in_lockstep(sessions: list[EagleSession], contexts: list[DraftContext
     # A session drafts once the head has read every real feature (not yet: a 1-token prompt).
     drafting = [i for i, (session, context) in enumerate(zip(sessions, contexts)) if max_tokens[i] > 0 and session.next_feature is not None and session.num_real == len(context.token_ids) - 1]
     features = torch.stack([sessions[i].next_feature for i in drafting]) if drafting else None  # [drafting, hidden]
+    needs_prob = drafter.path_confidence is not None or bool(drafter.alternatives)  # greedy: the stop rule and the runner-ups' path scores read it
     while drafting:
         logits = drafter.draft_logits(features)  # [drafting, draft_vocab]
         still: list[int] = []
         for row, index in enumerate(drafting):
-            session, row_logits = sessions[index], logits[row]
-            if session.sampling.is_greedy:
-                choice = int(row_logits.argmax())
-                token_prob = 1.0  # not needed without a stop rule or runner-ups
-                if drafter.path_confidence is not None or drafter.alternatives:
-                    probs = torch.softmax(row_logits, -1)  # [draft_vocab]
-                    token_prob = float(probs[choice])
-                    alternatives[index] += [(len(tokens[index]), other, path_probs[index] * prob) for other, prob in runner_ups(probs, choice, drafter.alternatives, drafter.vocab_ids)]
-            else:
-                probs = logits_to_probs(row_logits, session.sampling)  # [draft_vocab]
-                choice = int(sample_from(probs, generators[index]))
-                token_prob = float(probs[choice])
-                step_probs[index].append(full_vocab_probs(probs, drafter.vocab_ids, drafter.vocab_size))
-                alternatives[index] += [(len(tokens[index]), other, path_probs[index] * prob) for other, prob in runner_ups(probs, choice, drafter.alternatives, drafter.vocab_ids, sampled=True)]
-            tokens[index].append(choice if drafter.vocab_ids is None else int(drafter.vocab_ids[choice]))
+            token, token_prob, probs, runner_up = pick_draft(logits[row], sessions[index].sampling, generators[index], needs_prob, drafter.alternatives, drafter.vocab_ids, drafter.vocab_size)
+            alternatives[index] += [(len(tokens[index]), other, path_probs[index] * prob) for other, prob in runner_up]
+            if probs is not None:
+                step_probs[index].append(probs)
+            tokens[index].append(token)
             path_probs[index] *= token_prob
             if len(tokens[index]) < max_tokens[index] and not round_stops(token_prob, path_probs[index], None, drafter.path_confidence):
                 still.append(row)
@@ -225,11 +216,12 @@ def _draft_in_lockstep(sessions: list[EagleSession], contexts: list[DraftContext
 def _catch_up_many(sessions: list[EagleSession], contexts: list[DraftContext]) -> list[int]:
     """Every session reads the real features it has not seen (:meth:`EagleSession._catch_up`); a
     round's few rows per session in one head call for all (:meth:`EagleHead.advance_many`), a
-    prompt (or a lone session) in its own call. Returns each session's head calls (0 or 1)."""
+    prompt (or a lone session) in its own call. Returns each session's head calls (0 or 1). Sessions
+    drafting together attend as trained (propose_many groups far-memory ones alone), so none skips rows."""
     passes, few = [0] * len(sessions), []
     for index, (session, context) in enumerate(zip(sessions, contexts)):
         rows = unseen_context_rows(context, session.num_real, "EAGLE")
-        if rows is not None and len(sessions) > 1 and len(rows[0]) <= DISTINCT_EMBEDS_FROM_ROWS and session._never_read(len(rows[0])) == 0:
+        if rows is not None and len(rows[0]) <= DISTINCT_EMBEDS_FROM_ROWS:
             few.append((index, rows))
         else:
             passes[index] = session._catch_up(context)
