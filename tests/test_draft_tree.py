@@ -350,7 +350,7 @@ def test_parallel_runner_ups_are_the_other_candidates_scored_by_their_path(targe
     from verispec.drafters.parallel.drafter import BlockDrafts, path_runner_ups
 
     log_probs = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]]))  # [1, 2 positions, 3 candidates]
-    drafts = BlockDrafts(torch.tensor([[10, 21]]), torch.tensor([2]), 2, log_probs, torch.tensor([[[10, 11, 12], [20, 21, 22]]]), torch.tensor([[0, 1]]))
+    drafts = BlockDrafts(torch.tensor([[10, 21]]), torch.tensor([2]), 2, torch.tensor([2]), log_probs, torch.tensor([[[10, 11, 12], [20, 21, 22]]]), torch.tensor([[0, 1]]))
     alternatives = path_runner_ups(drafts, 0, 2)
     assert [(i, token) for i, token, _ in alternatives] == [(0, 11), (0, 12), (1, 20), (1, 22)]
     assert [score for *_, score in alternatives] == pytest.approx([0.3, 0.2, 0.5 * 0.6, 0.5 * 0.1])

@@ -723,6 +723,169 @@ def test_served_in_batches_every_request_gets_its_greedy_text_alone(target, trai
     assert sum(s.num_drafted for s in stats) > 0 and sum(s.num_accepted for s in stats) > 0  # drafts were verified and some kept
 
 
+def test_sequence_prefixes_attend_each_entry_to_its_own_prefix_and_a_shared_prefix_is_read_once():
+    from verispec.drafters.shared_prefix import SequencePrefixes, for_rows, shared_prefix_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, rows = 4, 2, 8, 3
+    prefixes = [(torch.randn(1, kv_heads, length, dim), torch.randn(1, kv_heads, length, dim)) for length in (5, 0, 9)]
+    counts = [2, 1, 3]
+    query = torch.randn(sum(counts), heads, rows, dim)
+    own = (torch.randn(sum(counts), kv_heads, rows, dim), torch.randn(sum(counts), kv_heads, rows, dim))
+    for causal in (False, True):
+        together = shared_prefix_attention(query, SequencePrefixes(prefixes, counts), None, own, causal)
+        first = 0
+        for prefix, count in zip(prefixes, counts):
+            entries = slice(first, first + count)
+            alone = shared_prefix_attention(query[entries], prefix if prefix[0].shape[2] else None, None, (own[0][entries], own[1][entries]), causal)
+            torch.testing.assert_close(together[entries], alone, atol=1e-6, rtol=1e-6)
+            first += count
+        # one prefix for the whole batch (stacked rows, one product): as each entry with its own copy
+        shared = prefixes[2]
+        visible = torch.rand(sum(counts), 1, 1, 9) > 0.3
+        visible[:, :, :, 0] = True
+        once = shared_prefix_attention(query, shared, visible, own, causal)
+        for entry in range(sum(counts)):
+            each = shared_prefix_attention(query[entry : entry + 1], shared, visible[entry : entry + 1], (own[0][entry : entry + 1], own[1][entry : entry + 1]), causal)
+            torch.testing.assert_close(once[entry : entry + 1], each, atol=1e-6, rtol=1e-6)
+    assert for_rows(SequencePrefixes(prefixes, counts), 4).counts == [8, 4, 12] and for_rows(shared, 4) is shared
+    with pytest.raises(ValueError, match="do not add up"):
+        shared_prefix_attention(query, SequencePrefixes(prefixes, [1, 1, 1]), None, own, False)
+    with pytest.raises(ValueError, match="prefix_visible must be None"):
+        shared_prefix_attention(query, SequencePrefixes(prefixes, counts), visible, own, False)
+    with pytest.raises(ValueError, match="one prefix per sequence"):
+        SequencePrefixes(prefixes, [2, 1])
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_head_encodes_many_sequences_as_each_alone(target, num_layers):
+    head = parallel_head(target, num_layers=num_layers, seed=2)
+    hidden = target.config.hidden_size
+    lengths, new_rows = (3, 1, 6), (1, 3, 2)
+    caches = [[LayerKVCache() for _ in head.layers] for _ in lengths]
+    alone_caches = [[LayerKVCache() for _ in head.layers] for _ in lengths]
+    for length, mine, theirs in zip(lengths, caches, alone_caches):  # three sequences, each with caches of its own length
+        features, embeds = torch.randn(1, length, hidden), torch.randn(1, length, hidden)
+        head.encode_context(features, embeds, 0, mine)
+        head.encode_context(features, embeds, 0, theirs)
+    features = [torch.randn(count, hidden) for count in new_rows]
+    embeds = [torch.randn(count, hidden) for count in new_rows]
+    together = head.encode_many(features, embeds, caches)  # [3, hidden]: each sequence's last output
+    for row, (length, layers) in enumerate(zip(lengths, alone_caches)):
+        _, outputs = head.encode_context(features[row][None], embeds[row][None], length, layers)
+        torch.testing.assert_close(together[row], outputs[0, -1], atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(caches[row], layers):
+            assert mine.length == theirs.length == length + new_rows[row]
+            torch.testing.assert_close(mine.keys[:, : mine.length], theirs.keys[:, : theirs.length], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mine.values[:, : mine.length], theirs.values[:, : theirs.length], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="1\\+ rows"):
+        head.encode_many(features, embeds, caches[:2])
+    with pytest.raises(ValueError, match="1\\+ rows"):
+        head.encode_many([features[0], torch.randn(0, hidden)], embeds[:2], caches[:2])
+
+
+def test_lockstep_groups_keep_far_memory_and_seeded_sampling_alone():
+    from types import SimpleNamespace
+
+    from verispec.drafters.base import lockstep_groups
+    from verispec.drafters.far_memory import FarMemoryConfig
+
+    one, other = object(), object()
+    session = lambda drafter, far_memory=None, sampling=SamplingParams(): SimpleNamespace(drafter=drafter, far_memory=far_memory, sampling=sampling)  # noqa: E731
+    sessions = [
+        session(one),
+        session(other),
+        session(one, FarMemoryConfig("fold")),  # its own attention path: alone
+        session(one, FarMemoryConfig("full")),  # attends as trained: together
+        session(one, sampling=SamplingParams(temperature=0.8, seed=3)),  # seeded sampled: alone
+        session(one, sampling=SamplingParams(temperature=0.8)),
+        session(other, sampling=SamplingParams(seed=3)),  # greedy: a seed changes nothing
+    ]
+    assert sorted(lockstep_groups(sessions)) == [[0, 3, 5], [1, 6], [2], [4]]
+
+
+def _round_contexts(target, prompts, extra):
+    """Each prompt's first round (its features so far), and a second round after ``extra`` more tokens."""
+    with torch.no_grad():
+        first = [DraftContext(p, target.model(torch.tensor([p[:-1]])).last_hidden_state[0] if len(p) > 1 else None, 0) for p in prompts]
+        second = []
+        for prompt, more in zip(prompts, extra):
+            tokens = prompt + more
+            features = target.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+            start = max(0, len(prompt) - 1)
+            second.append(DraftContext(tokens, features[start:], start))
+    return first, second
+
+
+@pytest.mark.parametrize("correction", [False, True, "eagle"])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_sessions_drafted_together_propose_what_each_proposes_alone(target, trained_head, correction, quantize):
+    from verispec.drafters.base import propose_batch
+
+    if quantize and correction is not True:
+        pytest.skip("int8: one corrected drafter is enough")
+    config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
+    torch.manual_seed(3)
+    head = ParallelHead(config)
+    head.load_eagle(trained_head)
+    drafter = ParallelDrafter(target, head.eval().requires_grad_(False), candidates=3, correction=bool(correction), corrector=trained_head if correction == "eagle" else None, alternatives=1, quantize=quantize)
+    long_prompt = [(5 * k + 1) % VOCAB for k in range(70)]  # more rows than a round's: its catch-up runs alone
+    prompts = [[1, 2, 3, 4], [7, 8], long_prompt, [20, 21, 22], [30]]
+    samplings = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, seed=5), SamplingParams()]
+    rounds = _round_contexts(target, prompts, [[40, 41], [42], [43, 44, 45], [46, 47], [48, 49]])
+    budgets = [[3, 2, 3, 3, 3], [1, 3, 2, 3, 3]]  # the planner gives each request its own number of drafts
+    runs = []
+    for together in (False, True):
+        sessions = [drafter.start(p, sampling) for p, sampling in zip(prompts, samplings)]
+        generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+        run = []
+        for contexts, max_tokens in zip(rounds, budgets):
+            if together:
+                proposals = propose_batch(sessions, contexts, max_tokens, generators)
+            else:
+                proposals = [s.propose(c, m, g) for s, c, m, g in zip(sessions, contexts, max_tokens, generators)]
+            state = [(s.num_real, [c.length for c in s.caches], s.corrector_cache.length) for s in sessions]
+            run.append((proposals, state, [s.anchor for s in sessions]))
+        runs.append(run)
+        for session in sessions:
+            session.close()
+    for (alone, alone_state, alone_anchors), (batched, batched_state, batched_anchors), max_tokens in zip(*runs, budgets):
+        assert batched_state == alone_state  # every session read each of its features once
+        assert [p.num_forward_passes for p in batched] == [p.num_forward_passes for p in alone]
+        assert all(len(p.tokens) <= m and p.probs is None for p, m in zip(batched, max_tokens))
+        assert batched[3] == alone[3]  # seeded sampled: drafts alone, bit for bit
+        for one, many in zip(alone_anchors, batched_anchors):
+            assert (one is None) == (many is None)
+            if one is not None and quantize:  # PyTorch's int8 dynamic linears scale all rows of a product together
+                assert float((many - one).norm() / one.norm()) < 0.05
+            elif one is not None:
+                torch.testing.assert_close(many, one, atol=1e-4, rtol=1e-4)
+        if not quantize:  # float32 rows compute as alone up to rounding: the same paths and runner-ups
+            assert [p.tokens for p in batched] == [p.tokens for p in alone]
+            assert [[(i, token) for i, token, _ in p.alternatives] for p in batched] == [[(i, token) for i, token, _ in p.alternatives] for p in alone]
+            for one, many in zip(alone, batched):
+                assert [score for *_, score in many.alternatives] == pytest.approx([score for *_, score in one.alternatives], rel=1e-3, abs=1e-6)
+    first_round = runs[1][0][0]
+    assert first_round[4].tokens == [] and sum(len(p.tokens) for p in first_round) > 4  # a 1-token prompt has no features yet
+
+
+def test_served_round_cost_drafts_a_rounds_sessions_in_one_call_each(target, trained_head, monkeypatch):
+    from verispec.bench.costs import served_round_cost
+
+    encoded, blocks = [], []
+    encode_many, draft_block = ParallelHead.encode_many, ParallelHead.draft_block
+    monkeypatch.setattr(ParallelHead, "encode_many", lambda self, features, *args: encoded.append(len(features)) or encode_many(self, features, *args))
+    monkeypatch.setattr(ParallelHead, "draft_block", lambda self, context, anchor, *args, **kw: blocks.append(len(anchor)) or draft_block(self, context, anchor, *args, **kw))
+    drafter = ParallelDrafter(target, parallel_head(target, block_size=4), candidates=2)
+    alone_s, together_s = served_round_cost(drafter, context_tokens=12, requests=4, num_drafts=4, repeats=2)
+    assert alone_s > 0 and together_s > 0
+    # Together, per round (warm-up + 2): one catch-up call for the 4 sessions, one block pass of 4
+    # rows and one pair-fit pass of 4·(K-1)·m = 24 known-slot blocks; alone (12 rounds) a block of
+    # one row and a pair fit of 6; the untimed prompt rounds (1 draft, not corrected) a block each.
+    assert encoded == [4] * 3
+    assert (blocks.count(4), blocks.count(24), blocks.count(6), blocks.count(1)) == (3, 3, 12, 12 + 2 * 12)
+
+
 # --- far memory (long inputs) ---------------------------------------------------------------------
 
 

@@ -764,6 +764,10 @@ def _costs(args: argparse.Namespace) -> int:
             del quantized, heads
         table.add("eagle, full vocab", eagle_costs, EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced
+    if parallel_head is not None:
+        from verispec.parallel_cli import parallel_served_rounds
+
+        served_rounds += parallel_served_rounds(min(args.context, 2048), args.repeats, target, parallel_head, head_path)
     if parallel_head is not None and args.context_fill == "prefill":
         print_proposal_costs(args.context, args.repeats, target, parallel_head, head_path)
     del target

@@ -245,3 +245,23 @@ def print_proposal_costs(context: int, repeats: int, target, head_path: Path, ea
         for name, seconds in costs.items():
             ratio = f" ({seconds / costs['eagle']:.2f}x eagle)" if "eagle" in costs else ""
             print(f"  {name + ', ' + precision:<28}{seconds * 1000:7.2f} ms{ratio}")
+
+
+def parallel_served_rounds(context: int, repeats: int, target, head_path: Path, eagle_head: Path | None) -> list[str]:  # noqa: ANN001 - a LoadedModel
+    """`verispec costs`: what a server round's corrected parallel drafting costs (int8, the EAGLE fit
+    where there is an EAGLE head: what `serve --drafter parallel` runs) for 4 and 8 requests drafting
+    a block each, every session alone and all together (:meth:`ParallelSession.propose_many`)."""
+    from verispec.bench.costs import served_round_cost
+    from verispec.drafters.parallel import ParallelDrafter
+    from verispec.drafters.parallel.drafter import PARALLEL_PATH_CONFIDENCE
+
+    name = "parallel int8, corrected" + (" by the EAGLE fit" if eagle_head is not None else "")
+    lines = []
+    for path_confidence in (None, PARALLEL_PATH_CONFIDENCE):  # whole blocks; the path stop serve uses (on random features it stops early)
+        drafter = ParallelDrafter(target, head_path, quantize=True, corrector=eagle_head, path_confidence=path_confidence)
+        for requests in (4, 8):
+            alone_s, together_s = served_round_cost(drafter, context, requests, drafter.block_size, repeats)
+            stop = "whole blocks" if path_confidence is None else f"path stop {path_confidence}"
+            lines.append(f"{name}: a server round of {requests} requests drafting up to {drafter.block_size} each ({stop}): {alone_s * 1000:.1f} ms alone, {together_s * 1000:.1f} ms together ({alone_s / together_s:.1f}x)")
+            print(f"costs: {lines[-1]}", file=sys.stderr, flush=True)
+    return lines

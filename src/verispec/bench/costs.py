@@ -219,6 +219,13 @@ def catch_up_cost(drafter, token_ids: list[int], repeats: int = 3) -> float:  # 
     return statistics.median(times[1:])
 
 
+def stand_in_text(drafter, length: int, generator: torch.Generator) -> tuple[list[int], torch.Tensor]:  # noqa: ANN001 - a feature-reading Drafter
+    """``length`` token ids of a fixed pattern and a random target feature for each # [length, hidden]:
+    what drafting costs are timed on (the head's work does not depend on the values)."""
+    vocab, hidden = drafter.embed.weight.shape
+    return [(7 * i + 11) % vocab for i in range(length)], torch.randn(length, hidden, generator=generator)
+
+
 def proposal_cost(drafter, context_tokens: int, num_drafts: int, repeats: int = 5) -> float:  # noqa: ANN001 - a Drafter that needs target features
     """Median seconds per PROPOSED token of one round's drafting, any feature-reading drafter.
 
@@ -232,10 +239,9 @@ def proposal_cost(drafter, context_tokens: int, num_drafts: int, repeats: int = 
     if context_tokens < 1 or num_drafts < 1 or repeats < 1:
         raise ValueError("context_tokens, num_drafts and repeats must be >= 1")
     generator = torch.Generator().manual_seed(0)
-    hidden = drafter.embed.weight.shape[1]
-    tokens = [(7 * i + 11) % drafter.embed.weight.shape[0] for i in range(context_tokens + 1)]
+    tokens, features = stand_in_text(drafter, context_tokens + 1, generator)
     session = drafter.start(tokens, SamplingParams())
-    session.propose(DraftContext(tokens, torch.randn(context_tokens, hidden, generator=generator), 0), num_drafts, generator)
+    session.propose(DraftContext(tokens, features[:context_tokens], 0), num_drafts, generator)
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         started = time.perf_counter()
@@ -257,9 +263,7 @@ def served_round_cost(drafter, context_tokens: int, requests: int, num_drafts: i
     if context_tokens < 1 or requests < 1 or num_drafts < 1 or repeats < 1:
         raise ValueError("context_tokens, requests, num_drafts and repeats must be >= 1")
     generator = torch.Generator().manual_seed(0)
-    hidden, vocab = drafter.embed.weight.shape[1], drafter.embed.weight.shape[0]
-    tokens = [(7 * i + 11) % vocab for i in range(context_tokens + requests + 2)]
-    features = torch.randn(len(tokens), hidden, generator=generator)
+    tokens, features = stand_in_text(drafter, context_tokens + requests + 2, generator)
     medians = []
     for together in (False, True):
         times = []

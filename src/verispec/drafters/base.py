@@ -67,6 +67,45 @@ def unseen_context_rows(context: DraftContext, num_seen: int, drafter_name: str)
     return fresh, torch.tensor(context.token_ids[num_seen + 1 : num_seen + 1 + len(fresh)])
 
 
+def lockstep_groups(sessions: list) -> list[list[int]]:  # sessions of a feature-reading drafter (EAGLE, parallel)
+    """Which of a server round's sessions may draft together (one head call for all): those sharing
+    a drafter whose head attends as trained. Alone: a session whose head attends with far memory
+    (its own attention path), and a seeded sampled one, whose text must not depend on the traffic
+    (PyTorch's int8 dynamic linears scale all rows of a product together, so a batched draft may
+    differ a little, and so would the random numbers verification then draws)."""
+    groups: dict[int, list[int]] = {}
+    for index, session in enumerate(sessions):
+        together = session.far_memory is None or not session.far_memory.changes_attention
+        together = together and (session.sampling.is_greedy or session.sampling.seed is None)
+        groups.setdefault(id(session.drafter) if together else -1 - index, []).append(index)
+    return list(groups.values())
+
+
+def round_catch_ups(
+    sessions: list, contexts: list[DraftContext], drafter_name: str, most_rows: int, embed: torch.nn.Module
+) -> tuple[list[int], list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """A round's catch-ups of feature-reading sessions (what :func:`unseen_context_rows` gives each,
+    read from ``num_real``): a prompt, a session with nothing new and a lone few-row session run
+    their own ``_catch_up`` here; the sessions with 1..``most_rows`` new rows are left for ONE head
+    call for all of them. Returns (each session's head calls so far, the indices of those left,
+    their features # each [n_s, hidden] and the embeddings of their next tokens # each [n_s, hidden])."""
+    few, alone = [], []
+    for index, (session, context) in enumerate(zip(sessions, contexts)):
+        rows = unseen_context_rows(context, session.num_real, drafter_name)
+        (few if rows is not None and len(rows[0]) <= most_rows else alone).append((index, rows))
+    if len(few) == 1:  # alone, as it always drafted
+        alone += few
+        few = []
+    passes = [0] * len(sessions)
+    for index, _ in alone:
+        passes[index] = sessions[index]._catch_up(contexts[index])
+    if not few:
+        return passes, [], [], []
+    features = [fresh.float() for _, (fresh, _) in few]
+    embeds = embed(torch.cat([next_tokens for _, (_, next_tokens) in few])).float().split([len(rows) for rows in features])
+    return passes, [index for index, _ in few], features, list(embeds)
+
+
 class DraftSession(Protocol):
     def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
         """Up to ``max_tokens`` (>= 1) drafts continuing ``context.token_ids``."""

@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 import torch
-from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
+from verispec.drafters.base import DraftContext, Proposal, lockstep_groups, round_catch_ups, unseen_context_rows
 from verispec.drafters.draft_model import checked_alternatives, checked_threshold, pick_draft, round_stops
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
@@ -119,14 +119,9 @@ class EagleSession:
         target) and the head's weights per step, and a server round of 8 requests paid that 8 times.
         Each session keeps its own sampling, stop rules and generator. Drafted alone (as
         :meth:`propose`): a session whose head attends with far memory, and a seeded sampled one,
-        whose text must not depend on the traffic (a batched product may round differently)."""
-        groups: dict[int, list[int]] = {}
-        for index, session in enumerate(sessions):
-            together = session.far_memory is None or not session.far_memory.changes_attention
-            together = together and (session.sampling.is_greedy or session.sampling.seed is None)
-            groups.setdefault(id(session.drafter) if together else -1 - index, []).append(index)
+        whose text must not depend on the traffic (:func:`~verispec.drafters.base.lockstep_groups`)."""
         proposals: list[Proposal] = [_NO_PROPOSAL] * len(sessions)
-        for indices in groups.values():
+        for indices in lockstep_groups(sessions):
             drafted = _draft_in_lockstep([sessions[i] for i in indices], [contexts[i] for i in indices], [max_tokens[i] for i in indices], [generators[i] for i in indices])
             for index, proposal in zip(indices, drafted):
                 proposals[index] = proposal
@@ -218,23 +213,12 @@ def _catch_up_many(sessions: list[EagleSession], contexts: list[DraftContext]) -
     round's few rows per session in one head call for all (:meth:`EagleHead.advance_many`), a
     prompt (or a lone session) in its own call. Returns each session's head calls (0 or 1). Sessions
     drafting together attend as trained (propose_many groups far-memory ones alone), so none skips rows."""
-    passes, few = [0] * len(sessions), []
-    for index, (session, context) in enumerate(zip(sessions, contexts)):
-        rows = unseen_context_rows(context, session.num_real, "EAGLE")
-        if rows is not None and len(rows[0]) <= DISTINCT_EMBEDS_FROM_ROWS:
-            few.append((index, rows))
-        else:
-            passes[index] = session._catch_up(context)
-    if len(few) == 1:
-        passes[few[0][0]] = sessions[few[0][0]]._catch_up(contexts[few[0][0]])
-    elif few:
-        drafter = sessions[0].drafter
-        embeds = drafter.embed(torch.cat([next_tokens for _, (_, next_tokens) in few])[None])[0].float()  # [rows, hidden]
-        predicted = drafter.head.advance_many(
-            [fresh.float() for _, (fresh, _) in few], list(embeds.split([len(fresh) for _, (fresh, _) in few])), [sessions[index].cache for index, _ in few]
-        )  # [len(few), hidden]
-        for (index, (fresh, _)), feature in zip(few, predicted):
-            sessions[index].num_real += len(fresh)
+    drafter = sessions[0].drafter
+    passes, few, features, embeds = round_catch_ups(sessions, contexts, "EAGLE", DISTINCT_EMBEDS_FROM_ROWS, drafter.embed)
+    if few:
+        predicted = drafter.head.advance_many(features, embeds, [sessions[index].cache for index in few])  # [len(few), hidden]
+        for index, rows, feature in zip(few, features, predicted):
+            sessions[index].num_real += len(rows)
             sessions[index].next_feature = feature
             passes[index] = 1
     return passes

@@ -36,15 +36,16 @@ from typing import Any
 
 import torch
 
-from verispec.drafters.base import DraftContext, Proposal, unseen_context_rows
+from verispec.drafters.base import DraftContext, Proposal, lockstep_groups, round_catch_ups, unseen_context_rows
 from verispec.drafters.draft_model import checked_alternatives, checked_threshold
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
+from verispec.drafters.eagle.drafter import DISTINCT_EMBEDS_FROM_ROWS
 from verispec.drafters.eagle.head import EagleHead
 from verispec.drafters.far_memory import FarMemoryConfig, checked_far_memory
 from verispec.drafters.parallel.checkpoint import load_parallel_head
 from verispec.drafters.parallel.head import ParallelHead, cached
-from verispec.drafters.shared_prefix import KeysValues
+from verispec.drafters.shared_prefix import KeysValues, SequencePrefixes, for_rows
 from verispec.drafters.parallel.lattice import best_path
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.sampling import SamplingParams
@@ -126,7 +127,7 @@ class ParallelDrafter:
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> "ParallelSession":
         far_memory = self.far_memory.for_prompt(len(prompt_ids)) if self.far_memory is not None else None
-        return ParallelSession(self, self.alternatives, far_memory)
+        return ParallelSession(self, self.alternatives, far_memory, sampling)
 
 
 @dataclass
@@ -136,6 +137,7 @@ class BlockDrafts:
     tokens: torch.Tensor  # [B, count] long: the drafted path's token ids (a row's first ``lengths[b]`` are drafted)
     lengths: torch.Tensor  # [B] long: drafts each row keeps (``count``, or fewer where the path stop ends it)
     passes: int  # head passes run: 1, or 2 with correction
+    row_passes: torch.Tensor  # [B] long: the passes each row's drafts took (1, or 2 where its path was corrected)
     log_probs: torch.Tensor  # [B, count, width]: log q_draft of each position's candidates, best first
     candidates: torch.Tensor  # [B, count, width] long: their token ids
     choice: torch.Tensor  # [B, count] long: the drafted candidate's rank at each position
@@ -143,19 +145,23 @@ class BlockDrafts:
 
 def draft_paths(
     drafter: ParallelDrafter,
-    encoded: list,  # per layer (keys, values) # [1, kv_heads, P, head_dim]: the context, shared by every row
+    encoded: list,  # per layer (keys, values) # [1, kv_heads, P, head_dim]: the context, shared by every row; or SequencePrefixes: row b's own
     anchors: torch.Tensor,  # [B, hidden]: h of each row's last visible context position
     starts: torch.Tensor,  # [B] long: each row's block position (its context length L)
     count: int,  # drafts per row, 1 .. the head's K
     visible: torch.Tensor | None = None,  # [B, P] bool: context positions each row sees (None: all)
     width: int | None = None,  # candidates ranked per position (default: the drafter's m; more for runner-ups)
-    corrector_context: KeysValues | None = None,  # [1, kv_heads, P, head_dim]: the corrector's cached context (with a corrector)
+    corrector_context: KeysValues | SequencePrefixes | None = None,  # [1, kv_heads, P, head_dim]: the corrector's cached context (with a corrector)
     far_memory: FarMemoryConfig | None = None,  # the setting the context was encoded with (a session's, "auto" resolved); None: as trained
+    row_counts: torch.Tensor | None = None,  # [B] long: each row's most drafts, <= count (None: count each)
 ) -> BlockDrafts:
     """The drafted path of each of B rows (the lattice of the drafter's m best per position).
 
-    B rows drafted at once: a round of decoding (B = 1) or every start of a recorded text
-    (:mod:`verispec.drafters.parallel.acceptance`), the same arithmetic either way.
+    B rows drafted at once: a round of decoding (B = 1), every start of a recorded text
+    (:mod:`verispec.drafters.parallel.acceptance`) or a server round's requests, each with its own
+    context (``encoded`` and ``corrector_context`` as :class:`SequencePrefixes`) and its own
+    ``row_counts``; a row's path is the one it gets drafted alone with ``count`` its own (a block's
+    slots see each other whatever ``count`` is, and the lattice of a row ends at its own count).
     """
     head = drafter.head
     hidden = head.draft_block(encoded, anchors, starts, context_visible=visible, far_memory=far_memory)[:, :count]  # [B, count, hidden]
@@ -165,12 +171,12 @@ def draft_paths(
     ranked, index = log_probs.topk(max(drafter.candidates, width or 0), dim=-1)  # [B, count, width]: best first
     unary, lattice = ranked[..., : drafter.candidates], index[..., : drafter.candidates]  # [B, count, m]
     choice = torch.zeros(index.shape[:2], dtype=torch.long)  # [B, count]: top-1 per position
-    passes = 1
+    passes, row_passes = 1, torch.ones(len(index), dtype=torch.long)
     # No path is likelier than the top-1 one, so the path stop keeps at most as many drafts of any
     # path as of the top-1 path (its first below the threshold included): correcting positions past
     # those would choose drafts nobody verifies. Each row's lattice ends there; the pair fit runs to
     # the longest row's end.
-    reach = path_lengths(ranked[..., 0].cumsum(-1), drafter.path_confidence)  # [B]
+    reach = path_lengths(ranked[..., 0].cumsum(-1), drafter.path_confidence, row_counts)  # [B]
     corrected = int(reach.max())
     if drafter.correction and corrected > 1 and drafter.candidates > 1:
         if drafter.corrector is not None:
@@ -186,25 +192,28 @@ def draft_paths(
         for row, length in enumerate(reach.tolist()):
             if length > 1:
                 choice[row, :length] = best_path(unary[row, :length], pair[row, : length - 1])[0]
+                row_passes[row] = 2
         passes = 2
     token_ids = index if drafter.vocab_ids is None else drafter.vocab_ids[index]  # [B, count, width]
     path_log_probs = ranked.gather(-1, choice[..., None])[..., 0].cumsum(-1)  # [B, count]: log prod_{j<=i} q_draft_j(path_j)
-    lengths = path_lengths(path_log_probs, drafter.path_confidence)
-    return BlockDrafts(token_ids.gather(-1, choice[..., None])[..., 0], lengths, passes, ranked, token_ids, choice)
+    lengths = path_lengths(path_log_probs, drafter.path_confidence, row_counts)
+    return BlockDrafts(token_ids.gather(-1, choice[..., None])[..., 0], lengths, passes, row_passes, ranked, token_ids, choice)
 
 
 def path_lengths(
     path_log_probs: torch.Tensor,  # [B, count]: log of each path's probability up to and including position i
     path_confidence: float | None,
+    row_counts: torch.Tensor | None = None,  # [B] long: each row's most drafts (None: count each)
 ) -> torch.Tensor:
     """Drafts kept per row # [B] long: up to and including the first position whose path probability
-    is below ``path_confidence`` (all ``count`` if none is, or without a threshold)."""
+    is below ``path_confidence`` (all ``count``, or the row's own count, if none is, or without a threshold)."""
     batch, count = path_log_probs.shape
+    most = torch.full((batch,), count, dtype=torch.long) if row_counts is None else row_counts.clamp(max=count)
     if path_confidence is None:
-        return torch.full((batch,), count, dtype=torch.long)
+        return most
     # The path probability only falls along the path, so the positions at or above the threshold
     # are a prefix; the first one below it is kept too.
-    return ((path_log_probs >= math.log(path_confidence)).sum(-1) + 1).clamp(max=count)
+    return torch.minimum((path_log_probs >= math.log(path_confidence)).sum(-1) + 1, most)
 
 
 def path_runner_ups(drafts: BlockDrafts, row: int, count: int) -> list[tuple[int, int, float]]:
@@ -241,6 +250,7 @@ def _pair_fit(
     known[torch.arange(rows), position] = True
     known_embeds = torch.zeros(rows, block, hidden_size)
     known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
+    encoded = [for_rows(layer, (count - 1) * width) for layer in encoded]  # each row b became its (count-1)·m candidate rows
     hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible, far_memory=far_memory)  # [rows, K, hidden]
     following = hidden[torch.arange(rows), position + 1].view(batch, count - 1, width, hidden_size)  # ĥ_{i+1}
     return _fit_over_candidates(drafter, following, index)
@@ -248,7 +258,7 @@ def _pair_fit(
 
 def _successor_fit(
     drafter: ParallelDrafter,
-    context: KeysValues | None,  # [1, kv_heads, P, head_dim]: the corrector's cached context
+    context: KeysValues | SequencePrefixes | None,  # [1, kv_heads, P, head_dim]: the corrector's cached context (or each row's own)
     slot_features: torch.Tensor,  # [B, count, hidden]: ĥ_i, the drafted feature of each position
     starts: torch.Tensor,  # [B] long: block positions L
     index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
@@ -272,6 +282,7 @@ def _successor_fit(
     hidden_size = slot_features.shape[-1]
     position, owner, tokens, row_visible = _candidate_rows(drafter, index, visible)
     features = slot_features[owner, position].float()  # [rows, hidden]: ĥ_i of each step
+    context = for_rows(context, (count - 1) * width)  # each row b became its (count-1)·m candidate rows
     following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=far_memory)
     return _fit_over_candidates(drafter, following.view(batch, count - 1, width, hidden_size), index)
 
@@ -303,27 +314,35 @@ def _fit_over_candidates(
 
 
 class ParallelSession:
-    def __init__(self, drafter: ParallelDrafter, alternatives: int = 0, far_memory: FarMemoryConfig | None = None) -> None:
+    def __init__(self, drafter: ParallelDrafter, alternatives: int = 0, far_memory: FarMemoryConfig | None = None, sampling: SamplingParams | None = None) -> None:
         self.drafter, self.alternatives = drafter, alternatives
         self.far_memory = far_memory  # this request's attention ("auto" resolved by the prompt's length); None: as trained
+        self.sampling = SamplingParams() if sampling is None else sampling  # read only to decide who drafts together
         self.caches = [LayerKVCache() for _ in drafter.head.layers]
         self.corrector_cache = LayerKVCache()  # the corrector's keys/values of the same positions (with a corrector)
         self.num_real = 0  # context positions encoded (0 .. num_real-1), all with real target features
         self.anchor: torch.Tensor | None = None  # [1, hidden]: output h of the last encoded position
 
-    @torch.inference_mode()
     def propose(self, context: DraftContext, max_tokens: int, generator: torch.Generator) -> Proposal:
-        drafter = self.drafter
-        passes = self._catch_up(context)
-        if self.num_real == 0 or self.num_real != len(context.token_ids) - 1:
-            return Proposal(tokens=[], probs=None, num_forward_passes=passes)  # no features yet (1-token prompt)
-        count = min(drafter.block_size, max_tokens)
-        encoded = [cached(cache) for cache in self.caches]
-        corrector_context = cached(self.corrector_cache) if drafter.corrector is not None else None
-        drafts = draft_paths(drafter, encoded, self.anchor, torch.tensor([self.num_real]), count, width=self.alternatives + 1, corrector_context=corrector_context, far_memory=self.far_memory)
-        alternatives = path_runner_ups(drafts, 0, self.alternatives)
-        tokens = drafts.tokens[0, : int(drafts.lengths[0])].tolist()
-        return Proposal(tokens=tokens, probs=None, num_forward_passes=passes + drafts.passes, alternatives=alternatives)
+        return ParallelSession.propose_many([self], [context], [max_tokens], [generator])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(sessions: list["ParallelSession"], contexts: list[DraftContext], max_tokens: list[int], generators: list[torch.Generator]) -> list[Proposal]:
+        """One proposal per session (batched serving): the sessions of one drafter catch up in one
+        call of the head (and one of the corrector) and draft their blocks, and correct them, in one
+        :func:`draft_paths` call, each row attending to its own session's caches
+        (:class:`~verispec.drafters.shared_prefix.SequencePrefixes`). Why: alone a corrected round
+        reads the head's weights 2-3 times, the corrector's twice and the LM head's draft rows once
+        (~250 MB of int8 weights for the 1.5B target, ~20 ms on a 2-core EPYC), and a server round
+        of 8 requests paid that 8 times. The drafts are deterministic (no generator is read);
+        :func:`~verispec.drafters.base.lockstep_groups` says who drafts alone."""
+        proposals = [Proposal([], None)] * len(sessions)
+        for indices in lockstep_groups(sessions):
+            drafted = _draft_together([sessions[i] for i in indices], [contexts[i] for i in indices], [max_tokens[i] for i in indices])
+            for index, proposal in zip(indices, drafted):
+                proposals[index] = proposal
+        return proposals
 
     def _catch_up(self, context: DraftContext) -> int:
         """Encode every real feature the head (and the corrector) has not seen; return the number of
@@ -345,3 +364,52 @@ class ParallelSession:
         self.caches = [LayerKVCache() for _ in self.drafter.head.layers]
         self.corrector_cache = LayerKVCache()
         self.num_real, self.anchor = 0, None
+
+
+def _draft_together(sessions: list[ParallelSession], contexts: list[DraftContext], max_tokens: list[int]) -> list[Proposal]:
+    """Proposals of sessions sharing one drafter (:meth:`ParallelSession.propose_many`); a lone
+    session drafts over its own caches (far memory included) as it always did."""
+    drafter = sessions[0].drafter
+    passes = _catch_up_many(sessions, contexts)
+    proposals = [Proposal([], None, num_forward_passes=count) for count in passes]
+    # A session drafts once the head has read every real feature (not yet: a 1-token prompt).
+    ready = [i for i, (session, context) in enumerate(zip(sessions, contexts)) if max_tokens[i] > 0 and session.num_real > 0 and session.num_real == len(context.token_ids) - 1]
+    if not ready:
+        return proposals
+    counts = [min(drafter.block_size, max_tokens[i]) for i in ready]
+    if len(ready) == 1:
+        session = sessions[ready[0]]
+        encoded = [cached(cache) for cache in session.caches]
+        corrector_context = cached(session.corrector_cache) if drafter.corrector is not None else None
+        far_memory = session.far_memory
+    else:  # sessions drafting together attend as trained (lockstep_groups)
+        encoded = [SequencePrefixes([cached(sessions[i].caches[layer]) for i in ready], [1] * len(ready)) for layer in range(len(drafter.head.layers))]
+        corrector_context = SequencePrefixes([cached(sessions[i].corrector_cache) for i in ready], [1] * len(ready)) if drafter.corrector is not None else None
+        far_memory = None
+    anchors = torch.cat([sessions[i].anchor for i in ready])  # [ready, hidden]
+    starts = torch.tensor([sessions[i].num_real for i in ready])
+    width = 1 + max(sessions[i].alternatives for i in ready)
+    drafts = draft_paths(drafter, encoded, anchors, starts, max(counts), width=width, corrector_context=corrector_context, far_memory=far_memory, row_counts=torch.tensor(counts))
+    for row, index in enumerate(ready):
+        tokens = drafts.tokens[row, : int(drafts.lengths[row])].tolist()
+        alternatives = path_runner_ups(drafts, row, sessions[index].alternatives)
+        proposals[index] = Proposal(tokens=tokens, probs=None, num_forward_passes=passes[index] + int(drafts.row_passes[row]), alternatives=alternatives)
+    return proposals
+
+
+def _catch_up_many(sessions: list[ParallelSession], contexts: list[DraftContext]) -> list[int]:
+    """Every session encodes the real features it has not seen (:meth:`ParallelSession._catch_up`): a
+    round's few rows per session in one call of the head (:meth:`ParallelHead.encode_many`) and one
+    of the corrector (:meth:`EagleHead.advance_many`: only its cached keys/values are read later),
+    a prompt or a lone session in its own calls. Returns each session's head calls (0, 1, or 2 with a corrector)."""
+    drafter = sessions[0].drafter
+    passes, few, features, embeds = round_catch_ups(sessions, contexts, "parallel", DISTINCT_EMBEDS_FROM_ROWS, drafter.embed)
+    if few:
+        anchors = drafter.head.encode_many(features, embeds, [sessions[index].caches for index in few])  # [len(few), hidden]
+        if drafter.corrector is not None:
+            drafter.corrector.advance_many(features, embeds, [sessions[index].corrector_cache for index in few])
+        for index, rows, anchor in zip(few, features, anchors):
+            sessions[index].num_real += len(rows)
+            sessions[index].anchor = anchor[None]
+            passes[index] = 1 if drafter.corrector is None else 2
+    return passes

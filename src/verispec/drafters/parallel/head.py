@@ -202,6 +202,36 @@ class ParallelHead(nn.Module):
                 everything.append((keys[None], values[None]))
         return everything, hidden
 
+    def encode_many(
+        self,
+        features: list[torch.Tensor],  # each [n_s, hidden]: f_i of sequence s's new context rows
+        next_embeds: list[torch.Tensor],  # each [n_s, hidden]: embed(x_{i+1}) of those rows
+        caches: list[list[LayerKVCache]],  # per sequence, one cache per layer (attended as trained: no far memory)
+    ) -> torch.Tensor:
+        """Append each sequence's rows to its own caches, as :meth:`encode_context` does for one
+        sequence, and return each sequence's last output h # [sequences, hidden]. fc, the
+        projections and the MLP run once over every sequence's rows (batched serving: the head's
+        weights read once a round, not once a request); each row attends to its own sequence only."""
+        if not len(features) == len(next_embeds) == len(caches) or any(len(f) == 0 or len(f) != len(e) for f, e in zip(features, next_embeds)):
+            raise ValueError(f"encode_many takes per sequence its caches and 1+ rows of features and embeddings: {len(features)} / {len(next_embeds)} / {len(caches)}")
+        counts = [len(rows) for rows in features]
+        hidden = self.fc(torch.cat((torch.cat(next_embeds), torch.cat(features)), dim=-1))[None]  # [1, N, hidden]
+        positions = torch.cat([torch.arange(layers[0].length, layers[0].length + count) for layers, count in zip(caches, counts)])
+        cos, sin = self._rope(positions)  # [N, head_dim]
+        for index, layer in enumerate(self.layers):
+            query, key, value = layer.project(hidden)  # [1, heads or kv_heads, N, head_dim]
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            contexts, first = [], 0
+            for layers, count in zip(caches, counts):
+                cache, rows = layers[index], slice(first, first + count)
+                seen = cache.length  # earlier positions, seen by every new row; the new rows causally
+                keys, values = cache.append(key[0, :, rows], value[0, :, rows])
+                prefix = (keys[None, :, :seen], values[None, :, :seen]) if seen else None
+                contexts.append(shared_prefix_attention(query[:, :, rows], prefix, None, (keys[None, :, seen:], values[None, :, seen:]), causal=True))
+                first += count
+            hidden = layer.finish(hidden, torch.cat(contexts, dim=2))
+        return hidden[0, torch.tensor(counts).cumsum(0) - 1]
+
     def draft_block(
         self,
         context: list[KeysValues],  # per layer # [batch or 1, kv_heads, P, head_dim]
