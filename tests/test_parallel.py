@@ -817,13 +817,10 @@ def _round_contexts(target, prompts, extra):
     return first, second
 
 
-@pytest.mark.parametrize("correction", [False, True, "eagle"])
-@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize(("correction", "quantize"), [(False, False), (True, False), ("eagle", False), (True, True)])
 def test_sessions_drafted_together_propose_what_each_proposes_alone(target, trained_head, correction, quantize):
     from verispec.drafters.base import propose_batch
 
-    if quantize and correction is not True:
-        pytest.skip("int8: one corrected drafter is enough")
     config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
     torch.manual_seed(3)
     head = ParallelHead(config)
