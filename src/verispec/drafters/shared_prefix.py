@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.engine.kv_cache import LayerKVCache
+
 KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys, values # [batch or 1, kv_heads, n, head_dim]
 
 
@@ -90,3 +92,24 @@ def _times_prefix(
         return rows @ prefix
     stacked = rows.transpose(0, 1).reshape(1, kv_heads, batch * num_rows, -1)  # [1, kv_heads, batch·r, d]
     return (stacked @ prefix).view(kv_heads, batch, num_rows, -1).transpose(0, 1)
+
+
+def append_and_attend(
+    query: torch.Tensor,  # [1, heads, Q, head_dim]: rotated queries of each sequence's last ``queried[s]`` new rows, sequence after sequence
+    key: torch.Tensor,  # [1, kv_heads, N, head_dim]: rotated keys of every sequence's ``counts[s]`` new rows, sequence after sequence
+    value: torch.Tensor,  # [1, kv_heads, N, head_dim]
+    caches: list[LayerKVCache],  # one per sequence, batch 1
+    counts: list[int],  # new rows of each sequence
+    queried: list[int],  # of those, how many (the last ones) have a query: 1 .. counts[s]
+) -> torch.Tensor:
+    """Append each sequence's new keys and values to its own cache and attend its queried rows over
+    everything cached before them, the new rows causally among themselves # [1, heads, Q, head_dim]:
+    a cached head step or catch-up, for one sequence or for a batch of them whose products ran once."""
+    contexts, first, first_query = [], 0, 0
+    for cache, count, asked in zip(caches, counts, queried):
+        keys, values = cache.append(key[0, :, first : first + count], value[0, :, first : first + count])  # [kv_heads, length, head_dim]
+        seen = keys.shape[1] - asked  # keys every queried row sees; the queried rows' own keys are causal among them
+        prefix = (keys[None, :, :seen], values[None, :, :seen]) if seen else None
+        contexts.append(shared_prefix_attention(query[:, :, first_query : first_query + asked], prefix, None, (keys[None, :, seen:], values[None, :, seen:]), causal=True))
+        first, first_query = first + count, first_query + asked
+    return torch.cat(contexts, dim=2)

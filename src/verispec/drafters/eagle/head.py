@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, far_memory_attention, far_memory_prefix_attention, low_precision_memory
-from verispec.drafters.shared_prefix import KeysValues, shared_prefix_attention
+from verispec.drafters.shared_prefix import KeysValues, append_and_attend, shared_prefix_attention
 from verispec.models.quantize import linear_columns
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache
@@ -157,10 +157,7 @@ class EagleHead(nn.Module):
             # Grouped products over the cache, not SDPA: PyTorch's CPU SDPA took 10.8 ms for one
             # query row over 16K cached keys (12 heads, 2 KV heads), these 2.7 ms (0.38 against
             # 0.22 ms at 2K, 0.08 against 0.10 ms at 512).
-            keys, values = cache.append(key[0], value[0])  # [kv_heads, start+n, head_dim]
-            seen = start + first_row  # keys every query row sees; the rows' own keys are causal among them
-            prefix = (keys[None, :, :seen], values[None, :, :seen]) if seen else None
-            context = shared_prefix_attention(query, prefix, None, (keys[None, :, seen:], values[None, :, seen:]), causal=True)
+            context = append_and_attend(query, key, value, [cache], [num_new], [num_new - first_row])
         return self._finish(hidden, context)
 
     def advance_many(
@@ -184,14 +181,8 @@ class EagleHead(nn.Module):
         cos, sin = rotary_cos_sin(positions.to(key.device), self.inv_freq)  # [N, head_dim]
         key = apply_rotary(key, cos, sin)
         query = apply_rotary(self._query(normed[:, last]), cos[last], sin[last])  # [1, heads, sequences, head_dim]
-        contexts, first = [], 0
-        for index, (cache, count) in enumerate(zip(caches, counts)):
-            keys, values = cache.append(key[0, :, first : first + count], value[0, :, first : first + count])  # [kv_heads, length, head_dim]
-            first += count
-            seen = keys.shape[1] - 1  # the last row sees every earlier key, then its own
-            prefix = (keys[None, :, :seen], values[None, :, :seen]) if seen else None
-            contexts.append(shared_prefix_attention(query[:, :, index : index + 1], prefix, None, (keys[None, :, seen:], values[None, :, seen:]), causal=True))
-        return self._finish(hidden[:, last], torch.cat(contexts, dim=2))[0]
+        context = append_and_attend(query, key, value, caches, counts, [1] * len(caches))  # each sequence's last row
+        return self._finish(hidden[:, last], context)[0]
 
     def independent_steps(
         self,

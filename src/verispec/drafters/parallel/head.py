@@ -41,7 +41,7 @@ from torch import nn
 
 from verispec.drafters.eagle.head import EagleConfig, EagleHead
 from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, far_memory_attention, far_memory_prefix_attention
-from verispec.drafters.shared_prefix import KeysValues, shared_prefix_attention
+from verispec.drafters.shared_prefix import KeysValues, append_and_attend, shared_prefix_attention
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache
 
@@ -221,15 +221,8 @@ class ParallelHead(nn.Module):
         for index, layer in enumerate(self.layers):
             query, key, value = layer.project(hidden)  # [1, heads or kv_heads, N, head_dim]
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-            contexts, first = [], 0
-            for layers, count in zip(caches, counts):
-                cache, rows = layers[index], slice(first, first + count)
-                seen = cache.length  # earlier positions, seen by every new row; the new rows causally
-                keys, values = cache.append(key[0, :, rows], value[0, :, rows])
-                prefix = (keys[None, :, :seen], values[None, :, :seen]) if seen else None
-                contexts.append(shared_prefix_attention(query[:, :, rows], prefix, None, (keys[None, :, seen:], values[None, :, seen:]), causal=True))
-                first += count
-            hidden = layer.finish(hidden, torch.cat(contexts, dim=2))
+            context = append_and_attend(query, key, value, [layers[index] for layers in caches], counts, counts)  # every new row queries
+            hidden = layer.finish(hidden, context)
         return hidden[0, torch.tensor(counts).cumsum(0) - 1]
 
     def draft_block(
