@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
@@ -366,6 +367,44 @@ def test_eagle_corrector_scores_each_candidate_as_the_token_one_step_ahead(targe
         hidden_row = _successor_fit(drafter, cached(session.corrector_cache), slots, torch.tensor([3]), index[None], torch.tensor([[True, True, False]]))[0]
         short = (session.corrector_cache.keys[None, :, :2], session.corrector_cache.values[None, :, :2])
         torch.testing.assert_close(hidden_row, _successor_fit(drafter, short, slots, torch.tensor([3]), index[None], None)[0])
+
+
+@pytest.mark.parametrize("corrector_seed", [None, 4])
+def test_a_pinned_first_draft_fits_one_row_at_position_0_and_picks_the_same_paths(target, corrector_seed):
+    # With first_from_anchor the path keeps position 0's top-1, so of position 0's m fit rows only
+    # candidate 0's is ever followed: computing it alone must leave every live score (pair[0, 0] and
+    # all later positions) as it was, run (K-2)·m + 1 rows instead of (K-1)·m, and choose the same paths.
+    corrector = None if corrector_seed is None else fresh_head(target, seed=corrector_seed)
+    head = parallel_head(target, block_size=4)
+    drafter = ParallelDrafter(target, head, candidates=3, corrector=corrector)
+    session = drafter.start([1, 2, 3], SamplingParams())
+    with torch.no_grad():
+        features = target.model(torch.tensor([[1, 2, 3, 4]])).last_hidden_state[0]
+        session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 4, torch.Generator())  # fills the caches
+        index = torch.tensor([[[5, 9, 2], [1, 7, 4], [3, 2, 8], [6, 0, 11]], [[8, 1, 3], [2, 9, 5], [7, 4, 1], [10, 3, 6]]])  # [B=2, K=4, m=3]
+        starts = torch.tensor([3, 3])
+        rows = []
+        module = corrector.o_proj if corrector is not None else head.layers[0]
+        hook = module.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[0]))
+        try:
+            if corrector is None:
+                encoded, anchors = [cached(c) for c in session.caches], session.anchor.expand(2, -1)
+                full, pinned = (_pair_fit(drafter, encoded, anchors, starts, index, None, first_pinned=flag) for flag in (False, True))
+            else:
+                slots = torch.randn(2, 4, target.config.hidden_size, generator=torch.Generator().manual_seed(2))  # ĥ_i
+                context = cached(session.corrector_cache)
+                full, pinned = (_successor_fit(drafter, context, slots, starts, index, None, first_pinned=flag) for flag in (False, True))
+        finally:
+            hook.remove()
+    assert rows == [2 * 3 * 3, 2 * (2 * 3 + 1)]
+    torch.testing.assert_close(pinned[:, 1:], full[:, 1:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pinned[:, 0, 0], full[:, 0, 0], atol=1e-5, rtol=1e-5)
+    generator = torch.Generator().manual_seed(7)
+    for row in range(2):
+        for _ in range(20):
+            unary = torch.randn(4, 3, generator=generator)
+            unary[0, 1:] = -math.inf  # pinned: draft_paths' rule
+            assert best_path(unary, pinned[row])[0].tolist() == best_path(unary, full[row])[0].tolist()
 
 
 @pytest.mark.parametrize(("correction", "candidates", "path"), [(False, 1, None), (True, 3, None), ("eagle", 3, None), (False, 1, 0.9), ("eagle", 3, 0.9)])

@@ -14,7 +14,8 @@ passes already run), one round is:
 
    (normalised over the m candidates: a fit score, read from m LM-head rows only), and the
    drafted path is the lattice's best (:func:`~verispec.drafters.parallel.lattice.best_path`);
-   with ``first_from_anchor`` the path keeps the anchor's first draft (the fit picks what follows).
+   with ``first_from_anchor`` the path keeps the anchor's first draft (the fit picks what follows),
+   so position 0 needs the row of that draft only: (K-2)·m + 1 rows.
 
 With ``path_confidence`` the path ends at the first position where the product of its drafts'
 block probabilities, prod_{j<=i} q_draft_j(path_j), falls below the threshold (that position
@@ -180,9 +181,9 @@ def draft_paths(
     corrected = int(reach.max())
     if drafter.correction and corrected > 1 and drafter.candidates > 1:
         if drafter.corrector is not None:
-            pair = _successor_fit(drafter, corrector_context, hidden[:, :corrected], starts, lattice[:, :corrected], visible, far_memory)  # [B, corrected-1, m, m]
+            pair = _successor_fit(drafter, corrector_context, hidden[:, :corrected], starts, lattice[:, :corrected], visible, far_memory, head.config.first_from_anchor)  # [B, corrected-1, m, m]
         else:
-            pair = _pair_fit(drafter, encoded, anchors, starts, lattice[:, :corrected], visible, far_memory)
+            pair = _pair_fit(drafter, encoded, anchors, starts, lattice[:, :corrected], visible, far_memory, head.config.first_from_anchor)
         if head.config.first_from_anchor:
             # The anchor's first draft is EAGLE's own next-token readout over the real context, the
             # best-informed of the block: the fit may choose what follows it, never overrule it
@@ -240,20 +241,20 @@ def _pair_fit(
     index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
     visible: torch.Tensor | None,  # [B, P] bool or None
     far_memory: FarMemoryConfig | None = None,  # the setting the context was encoded with; None: as trained
+    first_pinned: bool = False,  # position 0 is its top-1 whatever the fit says (see _candidate_rows)
 ) -> torch.Tensor:
     """pair[b, i, c, c'] # [B, count-1, m, m] from one batched pass of B·(count-1)·m blocks: slot i known as candidate c."""
-    batch, count, width = index.shape
     block, hidden_size = drafter.head.config.block_size, drafter.head.config.hidden_size
-    position, owner, tokens, row_visible = _candidate_rows(drafter, index, visible)
+    position, owner, tokens, row_visible, row_of = _candidate_rows(drafter, index, visible, first_pinned)
     rows = len(position)
     known = torch.zeros(rows, block, dtype=torch.bool)
     known[torch.arange(rows), position] = True
     known_embeds = torch.zeros(rows, block, hidden_size)
     known_embeds[torch.arange(rows), position] = drafter.embed(tokens).float()
-    encoded = [for_rows(layer, (count - 1) * width) for layer in encoded]  # each row b became its (count-1)·m candidate rows
+    encoded = [for_rows(layer, rows // len(index)) for layer in encoded]  # each row b became its candidate rows
     hidden = drafter.head.draft_block(encoded, anchors[owner], starts[owner], known_embeds, known, row_visible, far_memory=far_memory)  # [rows, K, hidden]
-    following = hidden[torch.arange(rows), position + 1].view(batch, count - 1, width, hidden_size)  # ĥ_{i+1}
-    return _fit_over_candidates(drafter, following, index)
+    following = hidden[torch.arange(rows), position + 1]  # [rows, hidden]: ĥ_{i+1}
+    return _fit_over_candidates(drafter, following[row_of], index)
 
 
 def _successor_fit(
@@ -264,8 +265,10 @@ def _successor_fit(
     index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
     visible: torch.Tensor | None,  # [B, P] bool or None
     far_memory: FarMemoryConfig | None = None,  # the setting the context was encoded with; None: as trained
+    first_pinned: bool = False,  # position 0 is its top-1 whatever the fit says (see _candidate_rows)
 ) -> torch.Tensor:
-    """pair[b, i, c, c'] # [B, count-1, m, m] from the EAGLE corrector, ONE call of B·(count-1)·m steps.
+    """pair[b, i, c, c'] # [B, count-1, m, m] from the EAGLE corrector, ONE call of B·(count-1)·m steps
+    (B·((count-2)·m + 1) with ``first_pinned``).
 
     Position i's drafted feature ĥ_i stands for f_{L+i}, whose token x_{L+1+i} is candidate c; the
     EAGLE step at position L+i reads (ĥ_i, embed(c)) — the token one step ahead, as EAGLE was
@@ -278,28 +281,40 @@ def _successor_fit(
     drafted positions."""
     if context is None:
         raise ValueError("a corrector's pair fit needs its cached context (corrector_context)")
-    batch, count, width = index.shape
-    hidden_size = slot_features.shape[-1]
-    position, owner, tokens, row_visible = _candidate_rows(drafter, index, visible)
+    position, owner, tokens, row_visible, row_of = _candidate_rows(drafter, index, visible, first_pinned)
     features = slot_features[owner, position].float()  # [rows, hidden]: ĥ_i of each step
-    context = for_rows(context, (count - 1) * width)  # each row b became its (count-1)·m candidate rows
-    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=far_memory)
-    return _fit_over_candidates(drafter, following.view(batch, count - 1, width, hidden_size), index)
+    context = for_rows(context, len(position) // len(index))  # each row b became its candidate rows
+    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=far_memory)  # [rows, hidden]
+    return _fit_over_candidates(drafter, following[row_of], index)
 
 
 def _candidate_rows(
     drafter: ParallelDrafter,
     index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
     visible: torch.Tensor | None,  # [B, P] bool or None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    first_pinned: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One row per (drafted row b, position i < count-1, candidate c), in that order, as both pair
-    fits lay them out: (i # [rows], b # [rows], candidate c's token id # [rows], b's visible context # [rows, P] or None)."""
+    fits lay them out: (i # [rows], b # [rows], candidate c's token id # [rows], b's visible context
+    # [rows, P] or None, row_of # [B, count-1, m] long: the row that scores each (b, i, c)).
+
+    ``first_pinned``: the path keeps position 0's top-1 (``ParallelConfig.first_from_anchor``), so
+    only candidate 0 at position 0 is ever followed: its row alone is computed and serves all of
+    position 0's (c = 1.. read it too; their paths score -inf whatever their fit). With the path
+    stop most corrected rounds reach 2 positions, where that is 1 row instead of m."""
     batch, count, width = index.shape
-    position = torch.arange(count - 1).repeat_interleave(width).repeat(batch)
-    owner = torch.arange(batch).repeat_interleave((count - 1) * width)
-    tokens = index[:, :-1].reshape(-1)
+    per_position = torch.full((count - 1,), width)  # rows at each position i < count-1
+    if first_pinned:
+        per_position[0] = 1
+    first_row = per_position.cumsum(0) - per_position  # [count-1]: a drafted row's first row at each position
+    per_owner = int(per_position.sum())
+    position = torch.arange(count - 1).repeat_interleave(per_position).repeat(batch)  # [rows]
+    rank = (torch.arange(per_owner) - first_row.repeat_interleave(per_position)).repeat(batch)  # [rows]: c
+    owner = torch.arange(batch).repeat_interleave(per_owner)
+    tokens = index[owner, position, rank]
     tokens = tokens if drafter.vocab_ids is None else drafter.vocab_ids[tokens]
-    return position, owner, tokens, None if visible is None else visible[owner]
+    row_of = torch.arange(batch)[:, None, None] * per_owner + first_row[None, :, None] + torch.minimum(torch.arange(width)[None, :], per_position[:, None] - 1)[None]
+    return position, owner, tokens, None if visible is None else visible[owner], row_of
 
 
 def _fit_over_candidates(
