@@ -120,11 +120,17 @@ def test_bad_arguments_are_clear_errors(tiny_gguf, capsys, extra, message):
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [(["--long-prompts", "32"], "--long-prompts must be at least 64 tokens, got 32"), (["--concurrency", "0"], "must be >= 1")],
+    [
+        (["--long-prompts", "32"], "--long-prompts must be at least 64 tokens, got 32"),
+        (["--concurrency", "0"], "must be >= 1"),
+        (["--repeat", "0"], "--repeat must be >= 1"),
+        (["--url", "a=http://127.0.0.1:9"], "--url names must differ"),
+        ([], "cannot list the models of http://127.0.0.1:9"),  # nothing listens: said, not a traceback
+    ],
 )
-def test_loadtest_refuses_bad_options_before_connecting(capsys, extra, message):
-    # Port 9 (discard): nothing listens, so reaching the server would be a connection error instead.
-    assert main(["loadtest", "--url", "http://127.0.0.1:9", *extra]) == 2
+def test_loadtest_errors_are_clear_messages(capsys, extra, message):
+    # Port 9 (discard): nothing listens, so bad options must be refused before connecting.
+    assert main(["loadtest", "--url", "a=http://127.0.0.1:9", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 

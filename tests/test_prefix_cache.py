@@ -378,3 +378,64 @@ def test_a_load_test_reports_the_median_decoding_rate_after_the_first_token():
     assert _median_decode_rate([RequestTiming(1.0, 1.0, 1)]) is None
     row = format_table([LevelResult(4, 10.0, 3.0, 6.0, 1.0, 4, median_decode_tokens_per_s=4.5)]).splitlines()[2]
     assert row == "| 4 | 4 | 10.00 | 3.00 | 6.00 | 1.00 | 4.50 |"
+
+
+def test_loadtest_names_its_servers_and_refuses_bad_ones():
+    from verispec.serving.loadtest import Served, parse_servers
+
+    assert parse_servers(["http://127.0.0.1:8000/", "plain=http://127.0.0.1:8001", "https://h:1/x?a=b"]) == [
+        Served("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),  # a bare URL labels itself
+        Served("plain", "http://127.0.0.1:8001"),
+        Served("https://h:1/x?a=b", "https://h:1/x?a=b"),  # '=' in a query is not a name
+    ]
+    for bad, message in [(["plain=127.0.0.1:8000"], "NAME=URL with an http\\(s\\) URL"), (["=http://h"], "NAME=URL"), (["a=http://x", "a=http://y"], "names must differ")]:
+        with pytest.raises(ValueError, match=message):
+            parse_servers(bad)
+
+
+def test_side_by_side_runs_reverse_the_server_order_and_report_medians_of_ratios():
+    from verispec.serving.loadtest import LevelResult, Served, format_comparison, side_by_side_order
+
+    a, b, c = Served("a", "http://a"), Served("b", "http://b"), Served("c", "http://c")
+    assert [side_by_side_order([a, b, c], run) for run in range(3)] == [[a, b, c], [c, b, a], [a, b, c]]
+
+    def level(rate, decode=None):
+        return LevelResult(4, rate, 1.0, 2.0, 0.5, 4, median_decode_tokens_per_s=decode)
+
+    # Three runs at one level: b's ratios to a are 2.0, 1.5, 1.0 (median 1.5) although the median
+    # rates (20 against 12) would say 1.67: ratios are taken run by run.
+    results = {(0, "a"): [level(10.0, 3.0), level(12.0, 5.0), level(30.0, 4.0)], (0, "b"): [level(20.0), level(18.0), level(30.0)]}
+    rows = format_comparison([4], [a, b], results).splitlines()
+    assert rows[0].startswith("| concurrency | server | total tok/s, median (min-max) of 3 | vs a, median (min-max) |")
+    assert rows[2] == "| 4 | a | 12.00 (10.00-30.00) | 1.00x (1.00-1.00) | 4.00 | 0.50 |"
+    assert rows[3] == "| 4 | b | 20.00 (18.00-30.00) | 1.50x (1.00-2.00) | - | 0.50 |"
+
+
+def test_loadtest_loads_two_servers_side_by_side(tmp_path, capsys):
+    from test_server import Server
+    from tiny_models import write_tiny_qwen2_gguf
+    from transformers import AutoTokenizer
+
+    from verispec.cli import main
+    from verispec.models import LoadedModel
+    from verispec.serving import ServeConfig, create_app
+
+    write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    target = LoadedModel(model=tiny_target(vocab_size=len(tokenizer)), tokenizer=tokenizer, name="tiny", path=None)
+    servers = [Server(create_app(ServeConfig(model_id="tiny", scheduler=SchedulerConfig(gamma=3)), target, None)) for _ in range(2)]
+    try:
+        args = ["loadtest", "--url", f"plain={servers[0].url}", "--url", f"other={servers[1].url}", "--concurrency", "1,2", "--max-tokens", "4", "--requests-per-client", "1", "--repeat", "2", "--long-prompts", "64"]  # short enough for the tiny context
+        assert main(args) == 0
+    finally:
+        for server in servers:
+            server.close()
+    captured = capsys.readouterr()
+    progress = [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("run ")]
+    assert progress == [
+        "run 1/2, concurrency 1, plain", "run 1/2, concurrency 1, other", "run 1/2, concurrency 2, plain", "run 1/2, concurrency 2, other",
+        "run 2/2, concurrency 1, other", "run 2/2, concurrency 1, plain", "run 2/2, concurrency 2, other", "run 2/2, concurrency 2, plain",
+    ]  # fmt: skip
+    rows = [line for line in captured.out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [row.split(" | ")[:2] for row in rows] == [["| 1", "plain"], ["| 1", "other"], ["| 2", "plain"], ["| 2", "other"]]
+    assert all(" 1.00x (1.00-1.00) " in row for row in rows if "plain" in row)

@@ -359,7 +359,8 @@ def _add_serve_parsers(commands) -> None:  # noqa: ANN001 - argparse's private s
     serve.set_defaults(handler=_serve)
 
     loadtest = commands.add_parser("loadtest", help="concurrent streamed chat requests against a running server: throughput and latency per concurrency")
-    loadtest.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    loadtest.add_argument("--url", action="append", default=None, metavar="[NAME=]URL", help="the server (default http://127.0.0.1:8000); repeat it to load several servers side by side, each level on each in turn (NAME labels the tables; the first is the one ratios are to)")
+    loadtest.add_argument("--repeat", type=int, default=1, metavar="N", help="run the levels N times (servers visited in reversed order every other run) and report medians and ranges over the runs (default 1)")
     loadtest.add_argument("--concurrency", default="1,4,8,16,32", help="comma list of concurrent clients (default 1,4,8,16,32)")
     loadtest.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
     loadtest.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends in turn (default 2)")
@@ -617,11 +618,12 @@ def _loadtest(args: argparse.Namespace) -> int:
     import asyncio
 
     from verispec.bench.prompts import humaneval_prompts
-    from verispec.serving.loadtest import format_table, run_level, served_model
+    from verispec.serving.loadtest import format_comparison, format_table, parse_servers, run_level, served_model, side_by_side_order
 
     levels = _int_list(args.concurrency, "--concurrency")
-    if not levels or min(levels) < 1 or args.max_tokens < 1 or args.requests_per_client < 1:
-        raise ValueError("--concurrency levels, --max-tokens and --requests-per-client must be >= 1")
+    if not levels or min(levels) < 1 or args.max_tokens < 1 or args.requests_per_client < 1 or args.repeat < 1:
+        raise ValueError("--concurrency levels, --max-tokens, --requests-per-client and --repeat must be >= 1")
+    servers = parse_servers(args.url or ["http://127.0.0.1:8000"])
     if args.long_prompts is not None and args.long_prompts < 64:
         raise ValueError(f"--long-prompts must be at least 64 tokens, got {args.long_prompts}")
     if args.long_prompts is not None:
@@ -631,16 +633,24 @@ def _loadtest(args: argparse.Namespace) -> int:
     else:
         prompts = [p.text for p in humaneval_prompts()]
 
-    async def run() -> list:
-        model = await served_model(args.url, args.api_key)
-        results = []
-        for level in levels:
-            result = await run_level(args.url, model, prompts, level, args.max_tokens, args.requests_per_client, args.api_key, args.conversation)
-            print(f"concurrency {level}: {result.tokens_per_s:.2f} tok/s", file=sys.stderr)
-            results.append(result)
+    async def run() -> dict:
+        models = {server.name: await served_model(server.url, args.api_key) for server in servers}  # all reachable before any load
+        results: dict = {(index, server.name): [] for index in range(len(levels)) for server in servers}
+        for run_index in range(args.repeat):
+            for index, level in enumerate(levels):
+                for server in side_by_side_order(servers, run_index):
+                    result = await run_level(server.url, models[server.name], prompts, level, args.max_tokens, args.requests_per_client, args.api_key, args.conversation)
+                    where = f"run {run_index + 1}/{args.repeat}, " if args.repeat > 1 else ""
+                    who = f", {server.name}" if len(servers) > 1 else ""
+                    print(f"{where}concurrency {level}{who}: {result.tokens_per_s:.2f} tok/s", file=sys.stderr)
+                    results[(index, server.name)].append(result)
         return results
 
-    print(format_table(asyncio.run(run())))
+    results = asyncio.run(run())
+    if len(servers) == 1 and args.repeat == 1:
+        print(format_table([results[(index, servers[0].name)][0] for index in range(len(levels))]))
+    else:
+        print(format_comparison(levels, servers, results))
     return 0
 
 

@@ -5,6 +5,12 @@ streamed chat requests one after another (different HumanEval prompts). Reported
 total generated tokens / wall time, median and p90 request latency, median time to first token, and
 the median decoding rate of a request after its first token.
 
+Several servers side by side (``--url NAME=URL`` repeated, ``--repeat N``): each level runs on every
+server in turn, in an order that reverses every run (A B, B A, A B ...), so a machine that drifts
+over minutes slows both alike; reported per level and server: the median total tokens/s over the
+runs (and its range), and the median of the per-run ratios to the first server — ratios measured
+side by side, as the benchmarks report them.
+
 ``conversation``: each client's requests are the turns of one chat instead — its first HumanEval
 prompt, then the conversation so far (every answer included) plus a follow-up request
 (:data:`FOLLOW_UPS`) — and the median time to first token of the later turns is reported apart:
@@ -137,8 +143,11 @@ def _median_ttft_by_turn(timings: list[RequestTiming]) -> tuple[float, ...]:
 async def served_model(url: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(headers=headers, timeout=30) as client:
-        response = await client.get(f"{url}/v1/models")
-        response.raise_for_status()
+        try:
+            response = await client.get(f"{url}/v1/models")
+            response.raise_for_status()
+        except httpx.HTTPError as error:  # nothing listening, a wrong key: say which server, no traceback
+            raise RuntimeError(f"cannot list the models of {url}: {error}") from error
         return response.json()["data"][0]["id"]
 
 
@@ -160,4 +169,58 @@ def format_table(results: list[LevelResult]) -> str:
         if r.median_ttft_by_turn:
             by_turn = ", ".join(f"{turn}: {ttft:.2f}" for turn, ttft in enumerate(r.median_ttft_by_turn, 1))
             lines.append(f"concurrency {r.concurrency}, median TTFT (s) by turn: {by_turn}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Served:
+    """A server under test: its label in the tables and its base URL."""
+
+    name: str
+    url: str
+
+
+def parse_servers(values: list[str]) -> list[Served]:
+    """``URL`` or ``NAME=URL`` per value (the label defaults to the URL); names must differ."""
+    servers = []
+    for value in values:
+        name, separator, url = value.partition("=")
+        if not separator or "://" in name:  # a bare URL (its query string may hold '=')
+            name, url = value, value
+        if not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must be URL or NAME=URL with an http(s) URL, got {value!r}")
+        servers.append(Served(name, url.rstrip("/")))
+    names = [server.name for server in servers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--url names must differ, got {names}")
+    return servers
+
+
+def side_by_side_order(servers: list[Served], run: int) -> list[Served]:
+    """The servers in the order run ``run`` (0-based) visits them at each level: reversed every other run."""
+    return list(servers) if run % 2 == 0 else list(reversed(servers))
+
+
+def format_comparison(levels: list[int], servers: list[Served], results: dict[tuple[int, str], list[LevelResult]]) -> str:
+    """One row per (level, server) from ``results[(level index, name)]``, one LevelResult per run:
+    total tokens/s as median (min-max) over the runs, the median (min-max) of each run's ratio to the
+    first server's tokens/s at that level, and medians over the runs of the request decode rate and TTFT."""
+    first = servers[0].name
+    runs = len(results[(0, first)])
+    lines = [
+        f"| concurrency | server | total tok/s, median (min-max) of {runs} | vs {first}, median (min-max) | median decode tok/s per request | median TTFT (s) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for index, level in enumerate(levels):
+        for server in servers:
+            runs_here = results[(index, server.name)]
+            rates = [r.tokens_per_s for r in runs_here]
+            ratios = [r.tokens_per_s / base.tokens_per_s for r, base in zip(runs_here, results[(index, first)])]
+            decodes = [r.median_decode_tokens_per_s for r in runs_here if r.median_decode_tokens_per_s is not None]
+            decode = f"{statistics.median(decodes):.2f}" if decodes else "-"
+            ttft = statistics.median(r.median_ttft_s for r in runs_here)
+            lines.append(
+                f"| {level} | {server.name} | {statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
+                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {decode} | {ttft:.2f} |"
+            )
     return "\n".join(lines)
