@@ -148,6 +148,27 @@ def test_slots_enter_through_fc_as_context_rows_do(target):
     assert ParallelConfig(**fields).slot_input == "add" and hasattr(parallel_head(target, slot_input="add"), "known")
 
 
+def test_slot_inputs_take_fc_in_its_own_precision(target):
+    # A drafting copy's fc multiplies the feature half in bfloat16 (MixedPrecisionLinear): the
+    # block's slot inputs must be that layer's output (its parts), not a float32 product of the
+    # copy's float32 weight, and the mask slots' half kept from the float32 fc must not survive
+    # the swap to the new layer.
+    from verispec.models.quantize import MixedPrecisionLinear
+
+    head = parallel_head(target, block_size=3)
+    hidden = target.config.hidden_size
+    context, outputs = head.encode_context(torch.randn(1, 5, hidden), torch.randn(1, 5, hidden))
+    anchor = outputs[:, -1] * 40  # features this large are where bfloat16 and float32 products part
+    with torch.no_grad():
+        float_inputs = head._slot_inputs(anchor, 1, None, None)
+        head.fc = MixedPrecisionLinear(head.fc, float32_columns=hidden)
+        mixed = head._slot_inputs(anchor, 1, None, None)
+        guess = head.norm(anchor)[0]
+        expected = head.fc(torch.stack([torch.cat((head.mask_embeds[j], guess)) for j in range(3)]))[None]
+    torch.testing.assert_close(mixed, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(mixed, float_inputs, atol=1e-5, rtol=1e-5)
+
+
 def test_slot_inputs_follow_the_weights(target):
     # fc is computed by halves (the mask slots' half separately): changed weights (an optimiser
     # step, load_state_dict) must show in the next block, and gradients must reach the masks —
@@ -170,6 +191,24 @@ def test_slot_inputs_follow_the_weights(target):
         fresh.load_state_dict(head.state_dict())
         torch.testing.assert_close(stepped, fresh.draft_block(context, anchor, start))
         other = parallel_head(target, block_size=3, seed=2)
+        head.load_state_dict(other.state_dict())
+        torch.testing.assert_close(head.draft_block(context, anchor, start), other.draft_block(context, anchor, start))
+    # A fused AdamW step (what training runs) leaves the weights' in-place version as it was, so a
+    # head being trained must not keep the rows even in its no-grad validation...
+    optimizer = torch.optim.AdamW(head.parameters(), lr=0.5, fused=True)
+    with torch.no_grad():
+        before = head.draft_block(context, anchor, start)
+    head.draft_block(context, anchor, start).square().sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        fresh = parallel_head(target, block_size=3, seed=1)
+        fresh.load_state_dict(head.state_dict())
+        torch.testing.assert_close(head.draft_block(context, anchor, start), fresh.draft_block(context, anchor, start))
+        assert not torch.allclose(head.draft_block(context, anchor, start), before)
+        # ...while a frozen (drafting) head keeps them, and still follows load_state_dict.
+        head.requires_grad_(False)
+        kept = head.draft_block(context, anchor, start)
+        assert head._mask_rows is not None and torch.equal(head.draft_block(context, anchor, start), kept)
         head.load_state_dict(other.state_dict())
         torch.testing.assert_close(head.draft_block(context, anchor, start), other.draft_block(context, anchor, start))
 

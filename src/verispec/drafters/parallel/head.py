@@ -42,6 +42,7 @@ from torch import nn
 from verispec.drafters.eagle.head import EagleConfig, EagleHead
 from verispec.drafters.far_memory import FarMemoryConfig, FarMemoryRows, far_memory_attention, far_memory_prefix_attention
 from verispec.drafters.shared_prefix import KeysValues, append_and_attend, shared_prefix_attention
+from verispec.models.quantize import linear_columns
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.kv_cache import LayerKVCache
 
@@ -150,6 +151,8 @@ class ParallelHead(nn.Module):
             self.known = nn.Linear(hidden, hidden, bias=False)  # a known slot's token embedding -> its input
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._mask_rows_key: tuple | None = None  # what _mask_slot_rows' kept rows were computed from
+        self._mask_rows: torch.Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -268,14 +271,30 @@ class ParallelHead(nn.Module):
         of twice the width — on a 2-core Zen 1 EPYC its largest float32 product (one-off timing).
         """
         size = self.config.hidden_size
-        embed_half, feature_half = self.fc.weight[:, :size], self.fc.weight[:, size:]  # [hidden, hidden] each
-        guess = F.linear(self.norm(anchor), feature_half, self.fc.bias)  # [batch or 1, hidden]
-        slots = F.linear(self.mask_embeds, embed_half).expand(batch, self.config.block_size, -1)  # [batch, K, hidden]
+        # Each half in fc's own precision (a drafting copy's fc multiplies the feature half in bfloat16).
+        guess = linear_columns(self.fc, self.norm(anchor), slice(size, 2 * size)) + self.fc.bias  # [batch or 1, hidden]
+        slots = self._mask_slot_rows().expand(batch, self.config.block_size, -1)  # [batch, K, hidden]
         if known is not None and bool(known.any()):
             given = torch.zeros_like(slots)
-            given[known] = F.linear(known_embeds[known], embed_half)  # [known slots, hidden]
+            given[known] = linear_columns(self.fc, known_embeds[known], slice(0, size))  # [known slots, hidden]
             slots = torch.where(known[..., None], given, slots)
         return slots + guess[:, None]
+
+    def _mask_slot_rows(self) -> torch.Tensor:
+        """W_e·m_j of the K mask slots # [K, hidden]. They depend on the weights only, so a frozen
+        head (drafting: ``requires_grad`` off, as drafters load heads) keeps them from one block pass
+        to the next while fc's weight and the mask embeddings are the same tensors at the same
+        in-place version (``load_state_dict`` bumps it). A head being trained computes them every
+        time, also in its no-grad validation: a fused optimiser step leaves the version unchanged."""
+        size = self.config.hidden_size
+        if self.fc.weight.requires_grad or self.mask_embeds.requires_grad:
+            return linear_columns(self.fc, self.mask_embeds, slice(0, size))
+        weight, masks = self.fc.weight, self.mask_embeds
+        key = (weight.data_ptr(), weight._version, masks.data_ptr(), masks._version)
+        if self._mask_rows_key != key:
+            self._mask_rows = linear_columns(self.fc, masks.detach(), slice(0, size))
+            self._mask_rows_key = key
+        return self._mask_rows
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin # [..., n, head_dim] for positions # [..., n]."""
