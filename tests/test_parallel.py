@@ -340,13 +340,20 @@ def test_path_stop_corrects_only_the_positions_it_could_keep(target, correction)
     assert strict.tokens == top_1.tokens[:1] and strict_rows == 0 and strict.num_forward_passes == 1
 
 
-def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
-    head = parallel_head(target, block_size=3)
-    drafter = ParallelDrafter(target, head, candidates=2)
+def session_with_caches_filled(target, drafter, drafts):
+    """A session of ``drafter`` after one proposal of up to ``drafts`` on the context 1, 2, 3: its
+    head's (and corrector's) caches hold those 3 rows, read by the pair-fit tests."""
     session = drafter.start([1, 2, 3], SamplingParams())
     with torch.no_grad():
         features = target.model(torch.tensor([[1, 2, 3, 4]])).last_hidden_state[0]
-    session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 3, torch.Generator())  # fills the caches
+        session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), drafts, torch.Generator())
+    return session
+
+
+def test_pair_fit_is_what_each_known_candidate_row_gives_alone(target):
+    head = parallel_head(target, block_size=3)
+    drafter = ParallelDrafter(target, head, candidates=2)
+    session = session_with_caches_filled(target, drafter, 3)
     encoded, start = [cached(c) for c in session.caches], torch.tensor([3])
     index = torch.tensor([[5, 9], [1, 7], [3, 2]])  # candidates per position
     pair = _pair_fit(drafter, encoded, session.anchor, start, index[None], None)[0]
@@ -384,10 +391,8 @@ def test_eagle_corrector_scores_each_candidate_as_the_token_one_step_ahead(targe
     # what the EAGLE drafter's own cached step gives.
     corrector = fresh_head(target, seed=4)
     drafter = ParallelDrafter(target, parallel_head(target, block_size=3), candidates=2, corrector=corrector)
-    session = drafter.start([1, 2, 3], SamplingParams())
+    session = session_with_caches_filled(target, drafter, 3)
     with torch.no_grad():
-        features = target.model(torch.tensor([[1, 2, 3, 4]])).last_hidden_state[0]
-        session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 3, torch.Generator())  # fills the caches
         context_keys, context_values = session.corrector_cache.keys[:, :3], session.corrector_cache.values[:, :3]
         slots = torch.randn(1, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(2))  # ĥ_i
         index = torch.tensor([[5, 9], [1, 7], [3, 2]])
@@ -416,10 +421,8 @@ def test_a_pinned_first_draft_fits_one_row_at_position_0_and_picks_the_same_path
     corrector = None if corrector_seed is None else fresh_head(target, seed=corrector_seed)
     head = parallel_head(target, block_size=4)
     drafter = ParallelDrafter(target, head, candidates=3, corrector=corrector)
-    session = drafter.start([1, 2, 3], SamplingParams())
+    session = session_with_caches_filled(target, drafter, 4)
     with torch.no_grad():
-        features = target.model(torch.tensor([[1, 2, 3, 4]])).last_hidden_state[0]
-        session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 4, torch.Generator())  # fills the caches
         index = torch.tensor([[[5, 9, 2], [1, 7, 4], [3, 2, 8], [6, 0, 11]], [[8, 1, 3], [2, 9, 5], [7, 4, 1], [10, 3, 6]]])  # [B=2, K=4, m=3]
         starts = torch.tensor([3, 3])
         rows = []

@@ -322,22 +322,29 @@ def test_a_bench_method_keeps_its_own_prefix_caches_and_forgets_them(panel_targe
     assert build_method("plain:prefix=0", target, draft, 4, prefix_cache_mb=8).prefix_caches == []
 
 
+def tiny_chat_target(tmp_path, wrap=lambda model: model):
+    """A tiny target served with the tiny GGUF's real tokenizer and chat template (``wrap``: e.g. our panel kernels)."""
+    from tiny_models import write_tiny_qwen2_gguf
+    from transformers import AutoTokenizer
+
+    from verispec.models import LoadedModel
+
+    write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    return LoadedModel(model=wrap(tiny_target(vocab_size=len(tokenizer))), tokenizer=tokenizer, name="tiny", path=None)
+
+
 def test_a_served_conversation_starts_each_turn_from_the_earlier_ones(tmp_path):
     import asyncio
 
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     from test_server import Server
-    from tiny_models import write_tiny_qwen2_gguf
-    from transformers import AutoTokenizer
 
-    from verispec.models import LoadedModel
     from verispec.serving import ServeConfig, create_app
     from verispec.serving.loadtest import format_table, run_level
 
-    write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
-    target = LoadedModel(model=use_panel_kernels(tiny_target(vocab_size=len(tokenizer))), tokenizer=tokenizer, name="tiny", path=None)
+    target = tiny_chat_target(tmp_path, use_panel_kernels)
 
     def served(prefix_mb: int):
         server = Server(create_app(ServeConfig(model_id="tiny", scheduler=SchedulerConfig(gamma=3, prefix_cache_mb=prefix_mb)), target, None))
@@ -413,16 +420,11 @@ def test_side_by_side_runs_reverse_the_server_order_and_report_medians_of_ratios
 
 def test_loadtest_loads_two_servers_side_by_side(tmp_path, capsys):
     from test_server import Server
-    from tiny_models import write_tiny_qwen2_gguf
-    from transformers import AutoTokenizer
 
     from verispec.cli import main
-    from verispec.models import LoadedModel
     from verispec.serving import ServeConfig, create_app
 
-    write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
-    target = LoadedModel(model=tiny_target(vocab_size=len(tokenizer)), tokenizer=tokenizer, name="tiny", path=None)
+    target = tiny_chat_target(tmp_path)
     servers = [Server(create_app(ServeConfig(model_id="tiny", scheduler=SchedulerConfig(gamma=3)), target, None)) for _ in range(2)]
     try:
         args = ["loadtest", "--url", f"plain={servers[0].url}", "--url", f"other={servers[1].url}", "--concurrency", "1,2", "--max-tokens", "4", "--requests-per-client", "1", "--repeat", "2", "--long-prompts", "64"]  # short enough for the tiny context
