@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from scheduling import serve_all
@@ -441,3 +443,44 @@ def test_loadtest_loads_two_servers_side_by_side(tmp_path, capsys):
     rows = [line for line in captured.out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert [row.split(" | ")[:2] for row in rows] == [["| 1", "plain"], ["| 1", "other"], ["| 2", "plain"], ["| 2", "other"]]
     assert all(" 1.00x (1.00-1.00) " in row for row in rows if "plain" in row)
+
+
+def test_a_server_dying_mid_load_test_is_a_message_and_the_finished_levels_are_kept(capsys):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+    from test_server import Server
+
+    from verispec.cli import main
+
+    requests = []
+
+    async def models(request):
+        return JSONResponse({"data": [{"id": "m"}]})
+
+    async def chat(request):
+        requests.append(await request.json())
+        dies = len(requests) > 1  # the first request is answered whole, the second breaks off mid-stream
+
+        async def stream():
+            delta = {"choices": [{"delta": {"content": "x"}}]}
+            yield f"data: {json.dumps(delta)}\n\n"
+            if dies:
+                raise ConnectionResetError("the server went away")
+            yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 1, 'prompt_tokens': 7}})}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    server = Server(Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])]))
+    try:
+        code = main(["loadtest", "--url", f"flaky={server.url}", "--concurrency", "1,1", "--max-tokens", "4", "--requests-per-client", "1"])
+    finally:
+        server.close()
+    captured = capsys.readouterr()
+    assert code == 2 and len(requests) == 2
+    # The last line says what happened; no traceback of ours (the one above it is the fake server's own log).
+    assert captured.err.strip().splitlines()[-1].startswith(f"verispec loadtest: error: {server.url}: a request failed after")
+    assert "RemoteProtocolError" in captured.err and "verispec/serving/loadtest.py" not in captured.err
+    # The first level's table survives the second level's failure.
+    assert "finished before the error (flaky):" in captured.out
+    assert [line.split(" | ")[:2] for line in captured.out.splitlines() if line.startswith("| 1 |")] == [["| 1", "1"]]

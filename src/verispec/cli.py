@@ -618,7 +618,7 @@ def _loadtest(args: argparse.Namespace) -> int:
     import asyncio
 
     from verispec.bench.prompts import humaneval_prompts
-    from verispec.serving.loadtest import format_comparison, format_table, parse_servers, run_level, served_model, side_by_side_order
+    from verispec.serving.loadtest import format_comparison, format_finished, format_table, parse_servers, run_level, served_model, side_by_side_order
 
     levels = _int_list(args.concurrency, "--concurrency")
     if not levels or min(levels) < 1 or args.max_tokens < 1 or args.requests_per_client < 1 or args.repeat < 1:
@@ -633,9 +633,8 @@ def _loadtest(args: argparse.Namespace) -> int:
     else:
         prompts = [p.text for p in humaneval_prompts()]
 
-    async def run() -> dict:
+    async def run() -> None:
         models = {server.name: await served_model(server.url, args.api_key) for server in servers}  # all reachable before any load
-        results: dict = {(index, server.name): [] for index in range(len(levels)) for server in servers}
         for run_index in range(args.repeat):
             for index, level in enumerate(levels):
                 for server in side_by_side_order(servers, run_index):
@@ -644,9 +643,14 @@ def _loadtest(args: argparse.Namespace) -> int:
                     who = f", {server.name}" if len(servers) > 1 else ""
                     print(f"{where}concurrency {level}{who}: {result.tokens_per_s:.2f} tok/s", file=sys.stderr)
                     results[(index, server.name)].append(result)
-        return results
 
-    results = asyncio.run(run())
+    results: dict = {(index, server.name): [] for index in range(len(levels)) for server in servers}
+    try:
+        asyncio.run(run())
+    except RuntimeError:  # a server failed mid-test: first the tables of the levels it finished, then the error
+        if any(results.values()):
+            print(format_finished(levels, servers, results))
+        raise
     if len(servers) == 1 and args.repeat == 1:
         print(format_table([results[(index, servers[0].name)][0] for index in range(len(levels))]))
     else:

@@ -67,21 +67,24 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, messages
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     started = time.perf_counter()
     ttft, tokens, text, prompt_tokens = None, 0, [], None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            pieces = [choice["delta"].get("content") or "" for choice in chunk["choices"]]
-            if ttft is None and any(pieces):
-                ttft = time.perf_counter() - started
-            text += pieces
-            if chunk.get("usage"):
-                tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"].get("prompt_tokens")
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    raise RuntimeError(f"{url}: {chunk['error']['message']}")
+                pieces = [choice["delta"].get("content") or "" for choice in chunk["choices"]]
+                if ttft is None and any(pieces):
+                    ttft = time.perf_counter() - started
+                text += pieces
+                if chunk.get("usage"):
+                    tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"].get("prompt_tokens")
+    except httpx.HTTPError as error:  # the server went away mid-test (or never answered): say which, no traceback
+        raise RuntimeError(f"{url}: a request failed after {time.perf_counter() - started:.1f} s: {type(error).__name__}: {error}") from error
     latency = time.perf_counter() - started
     return RequestTiming(latency, ttft if ttft is not None else latency, tokens, "".join(text), turn, prompt_tokens)
 
@@ -224,3 +227,16 @@ def format_comparison(levels: list[int], servers: list[Served], results: dict[tu
                 f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {decode} | {ttft:.2f} |"
             )
     return "\n".join(lines)
+
+
+def format_finished(levels: list[int], servers: list[Served], results: dict[tuple[int, str], list[LevelResult]]) -> str:
+    """What a load test that stopped early had measured: per server and run, the table of the levels
+    it finished (``results`` as :func:`format_comparison` takes them, each list as long as the runs done)."""
+    parts = []
+    for server in servers:
+        runs = max(len(results[(index, server.name)]) for index in range(len(levels)))
+        for run in range(runs):  # a server that finished nothing has no table
+            done = [results[(index, server.name)][run] for index in range(len(levels)) if len(results[(index, server.name)]) > run]
+            label = server.name + (f", run {run + 1}" if runs > 1 else "")
+            parts.append(f"finished before the error ({label}):\n{format_table(done)}")
+    return "\n\n".join(parts)
