@@ -418,6 +418,8 @@ def test_eagle_pipeline_extract_train_eval_and_generate(tiny_gguf, tmp_path, cap
     out = capsys.readouterr().out
     for name in ("eagle int8, local W 256", "eagle int8, fold W 256"):
         assert re.search(rf"^{re.escape(name)} .*\d", out, re.MULTILINE) and f"{name}: catch-up over a 300-token prompt" in out
+        # and what a server round of far-memory sessions pays, drafting alone and together
+        assert re.search(rf"^{re.escape(name)}: a server round of 8 requests drafting 3 each: [\d.]+ ms alone, [\d.]+ ms together", out, re.MULTILINE)
     # A rejection attack searched against the EAGLE head (the default head again).
     attack = ["attack", *common, "--surrogate", "eagle", "--prompt", "hello world", "--suffix-tokens", "2", "--steps", "1",
               "--candidates", "1", "--continuation-tokens", "3", "--search-only", "--out", str(tmp_path / "attack")]  # fmt: skip

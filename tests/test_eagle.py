@@ -280,22 +280,39 @@ def test_rounds_without_drafting_still_hand_over_every_feature(target):
     assert 0 in result.stats.drafted_per_round and max(result.stats.drafted_per_round) > 0
 
 
-def test_head_advances_many_sequences_as_each_alone(target):
+# Per sequence: None (as trained), or its far memory (local windows shorter than its cache, so
+# that memory and truncation change what it attends to).
+FAR_MEMORY_MIXES = [
+    None,
+    [None, None, None],
+    [FarMemoryConfig("fold", local_window=2, memory_temperature=0.5, memory_weight=2.0), None, FarMemoryConfig("local", local_window=3)],
+    [FarMemoryConfig("fold", local_window=2)] * 3,
+]
+
+
+@pytest.mark.parametrize("far_memory", FAR_MEMORY_MIXES)
+def test_head_advances_many_sequences_as_each_alone(target, far_memory):
     head = fresh_head(target)
     hidden = target.config.hidden_size
     caches, alone_caches, lengths, new_rows = [], [], (3, 1, 6), (1, 3, 2)
-    for length in lengths:  # three sequences, each with its own cache of its own length
-        features, embeds = torch.randn(1, length, hidden), torch.randn(1, length, hidden)
+    configs = far_memory or [None] * 3
+    prefixes = [(torch.randn(1, length, hidden), torch.randn(1, length, hidden)) for length in lengths]
+    for (features, embeds), config in zip(prefixes, configs):  # three sequences, each with its own cache of its own length
         for store in (caches, alone_caches):
             store.append(LayerKVCache())
-            head(features, embeds, start=0, cache=store[-1])
+            head(features, embeds, start=0, cache=store[-1], far_memory=config)
     features = [torch.randn(count, hidden) for count in new_rows]
     embeds = [torch.randn(count, hidden) for count in new_rows]
-    together = head.advance_many(features, embeds, caches)  # 1, 3 and 2 new rows: a step and two catch-ups
+    together = head.advance_many(features, embeds, caches, far_memory)  # 1, 3 and 2 new rows: a step and two catch-ups
     assert together.shape == (3, hidden)
-    for row, cache in enumerate(alone_caches):
-        alone = head(features[row][None], embeds[row][None], start=cache.length, cache=cache, last_only=True)[0, -1]
+    for row, (cache, config) in enumerate(zip(alone_caches, configs)):
+        alone = head(features[row][None], embeds[row][None], start=cache.length, cache=cache, far_memory=config, last_only=True)[0, -1]
         torch.testing.assert_close(together[row], alone, atol=1e-5, rtol=1e-5)
+        if config is not None:  # these windows really change what the row attends to (else the test could not tell)
+            as_trained = LayerKVCache()
+            head(*prefixes[row], start=0, cache=as_trained)
+            trained = head(features[row][None], embeds[row][None], start=as_trained.length, cache=as_trained, last_only=True)[0, -1]
+            assert (trained - alone).abs().max() > 1e-3
         assert caches[row].length == cache.length == lengths[row] + new_rows[row]
         torch.testing.assert_close(caches[row].keys[:, : cache.length], cache.keys[:, : cache.length], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(caches[row].values[:, : cache.length], cache.values[:, : cache.length], atol=1e-6, rtol=1e-6)
@@ -303,6 +320,8 @@ def test_head_advances_many_sequences_as_each_alone(target):
         head.advance_many(features, embeds, caches[:2])
     with pytest.raises(ValueError, match="one cache and 1\\+ rows"):
         head.advance_many([features[0], torch.randn(0, hidden)], embeds[:2], caches[:2])
+    with pytest.raises(ValueError, match="one far_memory entry per sequence: 2 for 3"):
+        head.advance_many(features, embeds, caches, [None, None])
 
 
 @pytest.mark.parametrize("quantize", [False, True])
@@ -342,6 +361,43 @@ def test_sessions_drafted_together_propose_what_each_proposes_alone(target, quan
         if one.probs is not None:
             torch.testing.assert_close(many.probs, one.probs, atol=0.01 if quantize else 1e-5, rtol=0.05 if quantize else 1e-4)
             assert all(float(many.probs[step, token]) > 0 for step, token in enumerate(many.tokens))
+
+
+@pytest.mark.parametrize("far_memory", [FarMemoryConfig("auto", local_window=2), FarMemoryConfig("fold", local_window=2, memory_temperature=0.5)])
+def test_sessions_with_far_memory_draft_together_as_each_alone(target, monkeypatch, far_memory):
+    from verispec.drafters import DraftContext
+    from verispec.drafters import far_memory as far_memory_module
+    from verispec.drafters.base import propose_batch
+
+    monkeypatch.setattr(far_memory_module, "AUTO_WINDOW_AFTER", 3)  # "auto": prompts of 4+ tokens get the window, shorter ones attend as trained
+    calls = []
+    advance_many = EagleHead.advance_many
+    monkeypatch.setattr(EagleHead, "advance_many", lambda self, *args: calls.append([config is not None for config in args[3]]) or advance_many(self, *args))
+    drafter = EagleDrafter(target, fresh_head(target, seed=4), far_memory=far_memory)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 8], [9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]
+    with torch.no_grad():
+        features = [target.model(torch.tensor([p[:-1]])).last_hidden_state[0] for p in prompts]
+    proposals, states = [], []
+    for together in (False, True):
+        sessions = [drafter.start(p, SamplingParams()) for p in prompts]
+        contexts = [DraftContext(p, f, 0) for p, f in zip(prompts, features)]
+        if together:
+            drafted = propose_batch(sessions, contexts, [4] * len(prompts), [torch.Generator().manual_seed(i) for i in range(len(prompts))])
+        else:
+            drafted = [s.propose(c, 4, torch.Generator().manual_seed(i)) for i, (s, c) in enumerate(zip(sessions, contexts))]
+        proposals.append(drafted)
+        states.append([(s.num_real, s.cache.length, s.far_memory) for s in sessions])
+        for session in sessions:
+            session.close()
+    alone, batched = proposals
+    assert states[0] == states[1]
+    assert [p.tokens for p in batched] == [p.tokens for p in alone] and all(len(p.tokens) == 4 for p in batched)
+    for one, many in zip(alone, batched):
+        torch.testing.assert_close(many.probs, one.probs, atol=1e-5, rtol=1e-4)
+    # Alone every session calls the head itself; together the catch-up and each draft step are one
+    # call for all four, far-memory sessions among them ("auto": all but the 2-token prompt).
+    expected = [True, far_memory.mode == "fold", True, True]
+    assert calls == [expected] * 4
 
 
 def test_served_round_cost_times_sessions_alone_and_in_one_call_per_step(target, monkeypatch):

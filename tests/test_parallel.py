@@ -865,7 +865,7 @@ def test_head_encodes_many_sequences_as_each_alone(target, num_layers):
         head.encode_many([features[0], torch.randn(0, hidden)], embeds[:2], caches[:2])
 
 
-def test_lockstep_groups_keep_far_memory_and_seeded_sampling_alone():
+def test_lockstep_groups_keep_seeded_sampling_and_far_memory_alone_unless_the_drafter_takes_it():
     from types import SimpleNamespace
 
     from verispec.drafters.base import lockstep_groups
@@ -883,6 +883,8 @@ def test_lockstep_groups_keep_far_memory_and_seeded_sampling_alone():
         session(other, sampling=SamplingParams(seed=3)),  # greedy: a seed changes nothing
     ]
     assert sorted(lockstep_groups(sessions)) == [[0, 3, 5], [1, 6], [2], [4]]
+    # A drafter whose batched calls attend each session as it attends alone (EAGLE's) takes far memory along.
+    assert sorted(lockstep_groups(sessions, far_memory_together=True)) == [[0, 2, 3, 5], [1, 6], [4]]
 
 
 def _round_contexts(target, prompts, extra):

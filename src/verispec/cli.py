@@ -771,10 +771,12 @@ def _costs(args: argparse.Namespace) -> int:
                 if prompt_ids is not None:
                     catch_ups[name] = catch_up_cost(drafter, prompt_ids, args.repeats)
                     print(f"costs: {name}: catch-up over a {args.context}-token prompt: {catch_ups[name] * 1000:.0f} ms", file=sys.stderr, flush=True)
-            for requests, drafts in ((4, 1), (8, 1), (8, 3)):  # what a server round pays (sessions drafting together: propose_many)
-                alone_s, together_s = served_round_cost(quantized, min(args.context, 2048), requests, drafts, args.repeats)
-                served_rounds.append(f"eagle int8: a server round of {requests} requests drafting {drafts} each: {alone_s * 1000:.1f} ms alone, {together_s * 1000:.1f} ms together ({alone_s / together_s:.1f}x)")
-                print(f"costs: {served_rounds[-1]}", file=sys.stderr, flush=True)
+            # What a server round pays (sessions drafting together: propose_many), far-memory sessions too past the window.
+            for name, drafter in [("eagle int8", quantized), *((name, drafter) for name, drafter in heads if drafter.far_memory is not None)]:
+                for requests, drafts in ((4, 1), (8, 1), (8, 3)):
+                    alone_s, together_s = served_round_cost(drafter, min(args.context, 2048), requests, drafts, args.repeats)
+                    served_rounds.append(f"{name}: a server round of {requests} requests drafting {drafts} each: {alone_s * 1000:.1f} ms alone, {together_s * 1000:.1f} ms together ({alone_s / together_s:.1f}x)")
+                    print(f"costs: {served_rounds[-1]}", file=sys.stderr, flush=True)
             del quantized, heads
         table.add("eagle, full vocab", eagle_costs, EagleDrafter(target, head_path, use_draft_vocab=False), args.context, counts, args.repeats)
         del reduced

@@ -67,15 +67,16 @@ def unseen_context_rows(context: DraftContext, num_seen: int, drafter_name: str)
     return fresh, torch.tensor(context.token_ids[num_seen + 1 : num_seen + 1 + len(fresh)])
 
 
-def lockstep_groups(sessions: list) -> list[list[int]]:  # sessions of a feature-reading drafter (EAGLE, parallel)
+def lockstep_groups(sessions: list, far_memory_together: bool = False) -> list[list[int]]:  # sessions of a feature-reading drafter (EAGLE, parallel)
     """Which of a server round's sessions may draft together (one head call for all): those sharing
-    a drafter whose head attends as trained. Alone: a session whose head attends with far memory
-    (its own attention path), and a seeded sampled one, whose text must not depend on the traffic
+    a drafter, whose head attends as trained or — with ``far_memory_together`` (a drafter whose
+    batched calls attend each session as its own config says) — with far memory. Alone: a session
+    with far memory otherwise, and a seeded sampled one, whose text must not depend on the traffic
     (PyTorch's int8 dynamic linears scale all rows of a product together, so a batched draft may
     differ a little, and so would the random numbers verification then draws)."""
     groups: dict[int, list[int]] = {}
     for index, session in enumerate(sessions):
-        together = session.far_memory is None or not session.far_memory.changes_attention
+        together = far_memory_together or session.far_memory is None or not session.far_memory.changes_attention
         together = together and (session.sampling.is_greedy or session.sampling.seed is None)
         groups.setdefault(id(session.drafter) if together else -1 - index, []).append(index)
     return list(groups.values())

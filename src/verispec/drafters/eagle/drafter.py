@@ -117,11 +117,12 @@ class EagleSession:
         (:meth:`EagleHead.advance_many`, each row attending to its own session's cache). Why: alone, a
         session pays the LM head over the draft vocabulary (~50 MB of int8 weights for the 1.5B
         target) and the head's weights per step, and a server round of 8 requests paid that 8 times.
-        Each session keeps its own sampling, stop rules and generator. Drafted alone (as
-        :meth:`propose`): a session whose head attends with far memory, and a seeded sampled one,
-        whose text must not depend on the traffic (:func:`~verispec.drafters.base.lockstep_groups`)."""
+        Each session keeps its own sampling, stop rules, generator and attention (far memory or
+        as trained: the products are shared, each row attends over its own cache as its session
+        does alone). Drafted alone (as :meth:`propose`): a seeded sampled session, whose text must
+        not depend on the traffic (:func:`~verispec.drafters.base.lockstep_groups`)."""
         proposals: list[Proposal] = [_NO_PROPOSAL] * len(sessions)
-        for indices in lockstep_groups(sessions):
+        for indices in lockstep_groups(sessions, far_memory_together=True):
             drafted = _draft_in_lockstep([sessions[i] for i in indices], [contexts[i] for i in indices], [max_tokens[i] for i in indices], [generators[i] for i in indices])
             for index, proposal in zip(indices, drafted):
                 proposals[index] = proposal
@@ -197,7 +198,8 @@ def _draft_in_lockstep(sessions: list[EagleSession], contexts: list[DraftContext
             session = sessions[drafting[0]]
             features = head(features[None], embeds[None], start=session.cache.length, cache=session.cache, far_memory=session.far_memory)[0]  # [1, hidden]
         else:
-            features = head.advance_many(list(features[:, None]), list(embeds[:, None]), [sessions[i].cache for i in drafting])  # [still, hidden]
+            caches, far_memory = [sessions[i].cache for i in drafting], [sessions[i].far_memory for i in drafting]
+            features = head.advance_many(list(features[:, None]), list(embeds[:, None]), caches, far_memory)  # [still, hidden]
         for index in drafting:
             passes[index] += 1
     proposals = []
@@ -211,12 +213,15 @@ def _draft_in_lockstep(sessions: list[EagleSession], contexts: list[DraftContext
 def _catch_up_many(sessions: list[EagleSession], contexts: list[DraftContext]) -> list[int]:
     """Every session reads the real features it has not seen (:meth:`EagleSession._catch_up`); a
     round's few rows per session in one head call for all (:meth:`EagleHead.advance_many`), a
-    prompt (or a lone session) in its own call. Returns each session's head calls (0 or 1). Sessions
-    drafting together attend as trained (propose_many groups far-memory ones alone), so none skips rows."""
+    prompt (or a lone session) in its own call. Returns each session's head calls (0 or 1). Each
+    session attends as it does alone; a local-window session computes the few rows' keys and
+    values that its lone catch-up might skip (:meth:`EagleSession._never_read`: rows no later query
+    attends to, so the drafts are the same)."""
     drafter = sessions[0].drafter
     passes, few, features, embeds = round_catch_ups(sessions, contexts, "EAGLE", DISTINCT_EMBEDS_FROM_ROWS, drafter.embed)
     if few:
-        predicted = drafter.head.advance_many(features, embeds, [sessions[index].cache for index in few])  # [len(few), hidden]
+        caches, far_memory = [sessions[index].cache for index in few], [sessions[index].far_memory for index in few]
+        predicted = drafter.head.advance_many(features, embeds, caches, far_memory)  # [len(few), hidden]
         for index, rows, feature in zip(few, features, predicted):
             sessions[index].num_real += len(rows)
             sessions[index].next_feature = feature

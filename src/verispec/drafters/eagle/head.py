@@ -164,24 +164,42 @@ class EagleHead(nn.Module):
         self,
         features: list[torch.Tensor],  # each [n_s, hidden]: f_i of sequence s's new rows (real, or the head's own prediction)
         next_embeds: list[torch.Tensor],  # each [n_s, hidden]: embed(x_{i+1}) of those rows
-        caches: list[LayerKVCache],  # one per sequence (attended as trained: no far memory)
+        caches: list[LayerKVCache],  # one per sequence
+        far_memory: list[FarMemoryConfig | None] | None = None,  # per sequence, what its cache was filled with; None: all as trained
     ) -> torch.Tensor:
         """Feed each sequence s its ``n_s`` new rows at the end of ``caches[s]`` and predict the next
         feature of its last row # [sequences, hidden]: per sequence what :meth:`forward` with that
-        cache and ``last_only`` computes (a drafting step is n_s = 1; a round's catch-up a few rows),
-        with the products run once over every sequence's rows (batched serving: the head's weights
-        read once a step, not once a request). Every row's key and value are cached; only the last
-        rows get a query, attention and MLP."""
+        cache, ``far_memory[s]`` and ``last_only`` computes (a drafting step is n_s = 1; a round's
+        catch-up a few rows), with the products run once over every sequence's rows (batched
+        serving: the head's weights read once a step, not once a request). Every row's key and value
+        are cached; only the last rows get a query, attention and MLP. Sequences attending as trained
+        share one attention call; one with far memory (its cache holds unrotated keys) attends alone."""
         if not len(features) == len(next_embeds) == len(caches) or any(len(f) == 0 or len(f) != len(e) for f, e in zip(features, next_embeds)):
             raise ValueError(f"advance_many takes one cache and 1+ rows of features and embeddings per sequence: {len(features)} / {len(next_embeds)} / {len(caches)}")
+        if far_memory is not None and len(far_memory) != len(caches):
+            raise ValueError(f"advance_many takes one far_memory entry per sequence: {len(far_memory)} for {len(caches)}")
         counts = [len(rows) for rows in features]
+        firsts = [sum(counts[:s]) for s in range(len(counts))]  # each sequence's first row
         last = torch.tensor(counts).cumsum(0) - 1  # each sequence's last row
-        hidden, normed, key, value = self._inputs(torch.cat(features)[None], torch.cat(next_embeds)[None])  # key, value: [1, kv_heads, N, head_dim]
-        positions = torch.cat([torch.arange(cache.length, cache.length + count) for cache, count in zip(caches, counts)]).float()
-        cos, sin = rotary_cos_sin(positions.to(key.device), self.inv_freq)  # [N, head_dim]
-        key = apply_rotary(key, cos, sin)
-        query = apply_rotary(self._query(normed[:, last]), cos[last], sin[last])  # [1, heads, sequences, head_dim]
-        context = append_and_attend(query, key, value, caches, counts, [1] * len(caches))  # each sequence's last row
+        hidden, normed, key, value = self._inputs(torch.cat(features)[None], torch.cat(next_embeds)[None])  # key, value: [1, kv_heads, N, head_dim] unrotated
+        query = self._query(normed[:, last])  # [1, heads, sequences, head_dim] unrotated
+        folded = [config is not None and config.changes_attention for config in far_memory or [None] * len(caches)]
+        context = torch.empty_like(query)
+        trained = [s for s, fold in enumerate(folded) if not fold]
+        if trained:
+            rows = torch.cat([torch.arange(firsts[s], firsts[s] + counts[s]) for s in trained])  # the trained sequences' rows
+            positions = torch.cat([torch.arange(caches[s].length, caches[s].length + counts[s]) for s in trained]).float()
+            cos, sin = rotary_cos_sin(positions.to(key.device), self.inv_freq)  # [rows, head_dim]
+            last_rows = torch.tensor([counts[s] for s in trained]).cumsum(0) - 1  # each one's last row among them
+            trained_query = apply_rotary(query[:, :, trained], cos[last_rows], sin[last_rows])
+            trained_key = apply_rotary(key[:, :, rows], cos, sin)
+            context[:, :, trained] = append_and_attend(trained_query, trained_key, value[:, :, rows], [caches[s] for s in trained], [counts[s] for s in trained], [1] * len(trained))
+        for s in (s for s, fold in enumerate(folded) if fold):  # as forward's far-memory path, for its last row
+            start, config = caches[s].length, far_memory[s]
+            own = slice(firsts[s], firsts[s] + counts[s])
+            keys, values = caches[s].append(key[0, :, own], value[0, :, own])  # unrotated, as forward caches them
+            memory = low_precision_memory(caches[s], start + counts[s], config)
+            context[:, :, s : s + 1] = far_memory_attention(query[0, :, s : s + 1], keys, values, start + counts[s] - 1, self.inv_freq, config, memory)[None]
         return self._finish(hidden[:, last], context)[0]
 
     def independent_steps(
