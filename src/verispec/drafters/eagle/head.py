@@ -145,10 +145,7 @@ class EagleHead(nn.Module):
         if far_memory is not None and far_memory.changes_attention:
             if cache is None:
                 raise ValueError("far-memory attention runs on the cached (drafting) path: pass a LayerKVCache")
-            keys, values = cache.append(key[0], value[0])  # unrotated: a key's position depends on the query row
-            memory = low_precision_memory(cache, start + num_new, far_memory)
-            context = far_memory_attention(query[0], keys, values, start + first_row, self.inv_freq, far_memory, memory)[None]
-            return self._finish(hidden, context)
+            return self._finish(hidden, self._far_memory_context(query[0], key[0], value[0], cache, far_memory)[None])
         key = apply_rotary(key, *self._rope(start, start + num_new, features.device))
         query = apply_rotary(query, *self._rope(start + first_row, start + num_new, features.device))
         if cache is None:
@@ -195,12 +192,23 @@ class EagleHead(nn.Module):
             trained_key = apply_rotary(key[:, :, rows], cos, sin)
             context[:, :, trained] = append_and_attend(trained_query, trained_key, value[:, :, rows], [caches[s] for s in trained], [counts[s] for s in trained], [1] * len(trained))
         for s in (s for s, fold in enumerate(folded) if fold):  # as forward's far-memory path, for its last row
-            start, config = caches[s].length, far_memory[s]
             own = slice(firsts[s], firsts[s] + counts[s])
-            keys, values = caches[s].append(key[0, :, own], value[0, :, own])  # unrotated, as forward caches them
-            memory = low_precision_memory(caches[s], start + counts[s], config)
-            context[:, :, s : s + 1] = far_memory_attention(query[0, :, s : s + 1], keys, values, start + counts[s] - 1, self.inv_freq, config, memory)[None]
+            context[0, :, s : s + 1] = self._far_memory_context(query[0, :, s : s + 1], key[0, :, own], value[0, :, own], caches[s], far_memory[s])
         return self._finish(hidden[:, last], context)[0]
+
+    def _far_memory_context(
+        self,
+        query: torch.Tensor,  # [heads, q, head_dim] unrotated: the last q of the new rows
+        key: torch.Tensor,  # [kv_heads, n, head_dim] unrotated: the n new rows (q <= n)
+        value: torch.Tensor,  # [kv_heads, n, head_dim]
+        cache: LayerKVCache,  # filled with ``far_memory`` (unrotated keys: a key's position depends on the query row)
+        far_memory: FarMemoryConfig,
+    ) -> torch.Tensor:
+        """Append the new rows' keys and values to ``cache`` and attend the last q rows with far
+        memory (bfloat16 memory where :func:`low_precision_memory` says so) # [heads, q, head_dim]."""
+        keys, values = cache.append(key, value)
+        memory = low_precision_memory(cache, cache.length, far_memory)
+        return far_memory_attention(query, keys, values, cache.length - query.shape[1], self.inv_freq, far_memory, memory)
 
     def independent_steps(
         self,
