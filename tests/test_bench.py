@@ -239,6 +239,16 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert bench_methods.build_method("eagle:head=1", model, None, gamma=3, eagle_head=other).decoder.drafter.head is other
     with pytest.raises(ValueError, match=r"'eagle:head=3' picks EAGLE head 3, but the run has 2 \(repeat --eagle-head"):
         bench_methods.build_method("eagle:head=3", model, None, gamma=3, eagle_head=heads)
+    # Deeper EAGLE trees where trees are on (TREE_EXPAND runner-up paths drafted on), :expand=N to set it.
+    from verispec.drafters.eagle.tree import TREE_EXPAND
+
+    assert TREE_EXPAND == 2
+    assert bench_methods.build_method("ngram+eagle-adaptive:tree=8", model, None, gamma=3, eagle_head=eagle).decoder.drafter.fallback.expand == TREE_EXPAND
+    assert bench_methods.build_method("eagle:tree=8:expand=0", model, None, gamma=3, eagle_head=eagle).decoder.drafter.expand == 0
+    assert bench_methods.build_method("eagle:tree=8:expand=4", model, None, gamma=3, eagle_head=eagle).decoder.drafter.expand == 4
+    assert bench_methods.build_method("eagle", model, None, gamma=3, eagle_head=eagle).decoder.drafter.expand == 0  # chains: nothing to expand
+    with pytest.raises(ValueError, match="expand applies to eagle"):
+        bench_methods.parse_variant("draft-model:expand=2")
     assert bench_methods.eagle_heads_needed(["plain", "draft-model"]) == 0
     assert bench_methods.eagle_heads_needed(["plain", "eagle", "auto"]) == 1
     assert bench_methods.eagle_heads_needed(["eagle", "ngram+eagle:head=3", "draft-model"]) == 3
@@ -263,6 +273,7 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert (switch.short.fallback.path_confidence, switch.short.fallback.alternatives) == (STREAM_PATH_CONFIDENCE, 0)
     assert switch.long.fallback.path_confidence == EAGLE_PATH_CONFIDENCE and switch.long.fallback.far_memory.mode == "auto"
     assert switch.long.fallback.alternatives == 2 and auto.decoder.tree_rows == 8 and auto.decoder.tree_max_context == LONG_CONTEXT_TREE_LIMIT
+    assert switch.long.fallback.expand == TREE_EXPAND
     assert auto.decoder.gamma == STREAM_GAMMA and auto.decoder._gamma_controller is not None
     assert bench_methods.build_method("auto", model, model, gamma=4, eagle_head=eagle).decoder.tree_rows == 0
     assert bench_methods.build_method("ngram+eagle:tree=8", model, None, gamma=4, eagle_head=eagle).decoder.tree_max_context is None  # the others: trees at every length
@@ -347,7 +358,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
         (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
         (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
-        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, dhead, dwin, prefix, cand, head, attention, got 'speed=11'"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, expand, dhead, dwin, prefix, cand, head, attention, got 'speed=11'"),
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:dwin=512"], "dwin applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-window", "-1"], "--draft-window must be >= 0"),

@@ -13,7 +13,7 @@ from verispec.drafters import DraftModel
 from verispec.drafters.base import DraftContext, Proposal
 from verispec.drafters.draft_model import DraftModelSession
 from verispec.engine import SpeculativeDecoder
-from verispec.engine.decoder import accepted_branch, pick_branches, verify_tree
+from verispec.engine.decoder import checked_proposal, pick_branches, verify_tree
 from verispec.engine.lean_lm import target_lm
 from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.sampling import SamplingParams
@@ -33,7 +33,7 @@ def test_a_branch_row_computes_exactly_what_its_token_fed_in_the_chain_computes(
     # of 4 put the branch's own key inside and outside the attention's blocks of four.
     model = use_panel_kernels(tiny_target() if head_dim == 8 else wide_head_target())
     chain = [40, 41, 42, 43, 44, 45]
-    branches = [(1, 50), (3, 51), (5, 52)]
+    branches = [(1, 50, -1), (3, 51, -1), (5, 52, -1)]
     for prompt_length in (13, 14, 15, 16):
         prompt = list(range(3, 3 + prompt_length))
         tree = target_lm(model)
@@ -44,11 +44,49 @@ def test_a_branch_row_computes_exactly_what_its_token_fed_in_the_chain_computes(
         reference = target_lm(model)
         reference.extend(prompt, num_logits=0)
         assert torch.equal(out.logits[: len(chain)], reference.extend(chain, num_logits=len(chain)).logits)
-        for number, (index, token) in enumerate(branches):
+        for number, (index, token, _) in enumerate(branches):
             alone = target_lm(model)
             alone.extend(prompt + chain[:index], num_logits=0)
             want = alone.extend([token], num_logits=1).logits[0]
             assert torch.equal(out.logits[len(chain) + number], want), (prompt_length, index)
+
+
+@needs_wide_kernels
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_a_deeper_branch_row_computes_exactly_what_its_path_fed_in_the_chain_computes(head_dim):
+    # Branches continuing branches: 50 beside d1 continued by 53 and then 54 (depth 2), 51 beside d3
+    # with two children 55 and 56; each row's logits must equal a pass feeding its whole path at its
+    # positions, bit for bit, and keeping a path must leave the cache that chain would leave.
+    model = use_panel_kernels(tiny_target() if head_dim == 8 else wide_head_target())
+    chain = [40, 41, 42, 43, 44, 45]
+    branches = [(1, 50, -1), (3, 51, -1), (1, 53, 0), (3, 55, 1), (1, 54, 2), (3, 56, 1)]
+    paths = [[50], [51], [50, 53], [51, 55], [50, 53, 54], [51, 56]]
+    for prompt_length in (13, 14, 15, 16):
+        prompt = list(range(3, 3 + prompt_length))
+        tree = target_lm(model)
+        tree.extend(prompt, num_logits=0)
+        out = tree.extend_branches(chain, branches, argmax_only=False)
+        reference = target_lm(model)
+        reference.extend(prompt, num_logits=0)
+        assert torch.equal(out.logits[: len(chain)], reference.extend(chain, num_logits=len(chain)).logits)
+        for number, ((index, _, _), path) in enumerate(zip(branches, paths)):
+            alone = target_lm(model)
+            alone.extend(prompt + chain[:index] + path[:-1], num_logits=0)
+            assert torch.equal(out.logits[len(chain) + number], alone.extend(path[-1:], num_logits=1).logits[0]), (prompt_length, number)
+        start = len(prompt)  # keep 40 50 53 54: branches 0, 2, 4 at positions start + 1, 2, 3
+        for depth, number in enumerate([0, 2, 4]):
+            tree.keep_branch(start + len(chain) + number, start + 1 + depth)
+        tree.crop(start + 4)
+        kept = target_lm(model)
+        kept.extend(prompt + [40, 50, 53, 54], num_logits=0)
+        assert tree.token_ids == kept.token_ids
+        for mine, theirs in zip(tree.cache, kept.cache):
+            assert torch.equal(mine.keys[:, : start + 4], theirs.keys[:, : start + 4]) and torch.equal(mine.values[:, : start + 4], theirs.values[:, : start + 4])
+    lm = target_lm(model)
+    lm.extend(prompt, num_logits=0)
+    for bad in ([(1, 50, -1), (2, 53, 0)], [(1, 50, 0)], [(2, 50, -1), (2, 51, 0), (2, 52, 1)]):  # parent elsewhere, itself, too deep
+        with pytest.raises(ValueError, match="branch"):
+            lm.extend_branches([40, 41, 42, 43], bad)
 
 
 def wide_head_target() -> Qwen2ForCausalLM:
@@ -64,7 +102,7 @@ def wide_head_target() -> Qwen2ForCausalLM:
 @needs_wide_kernels
 def test_keep_branch_leaves_the_cache_a_chain_through_that_token_would_leave():
     model = use_panel_kernels(tiny_target())
-    prompt, chain, branches = list(range(3, 17)), [40, 41, 42, 43], [(2, 60), (3, 61)]
+    prompt, chain, branches = list(range(3, 17)), [40, 41, 42, 43], [(2, 60, -1), (3, 61, -1)]
     tree = target_lm(model)
     tree.extend(prompt, num_logits=0)
     tree.extend_branches(chain, branches)
@@ -87,27 +125,55 @@ def test_branch_indices_outside_the_chain_are_refused():
     lm.extend(list(range(3, 10)), num_logits=0)
     if lm.max_branch_rows() == 0:
         with pytest.raises(NotImplementedError, match="no draft trees"):
-            lm.extend_branches([40, 41], [(1, 5)])
+            lm.extend_branches([40, 41], [(1, 5, -1)])
         return
     with pytest.raises(ValueError, match="branch indices"):
-        lm.extend_branches([40, 41], [(0, 5)])
+        lm.extend_branches([40, 41], [(0, 5, -1)])
     with pytest.raises(ValueError, match="branch indices"):
-        lm.extend_branches([40, 41], [(2, 5)])
+        lm.extend_branches([40, 41], [(2, 5, -1)])
 
 
 def test_pick_and_accept_branches():
     proposal = Proposal(tokens=[7, 8, 9], probs=None, alternatives=[(0, 1, 0.05), (1, 2, 0.3), (2, 3, 0.2), (1, 4, 0.1)])
-    assert pick_branches(proposal, 2) == [(2, 2), (3, 3)]  # best scored first, as (row, token)
+    assert pick_branches(proposal, 2) == [(2, 2, -1), (3, 3, -1)]  # best scored first, as (row, token, parent)
     assert pick_branches(proposal, 0) == []
     branches = pick_branches(proposal, 4)
-    # drafts 7 accepted, 8 rejected: the target's token at row 2 is 4 -> the branch (2, 4)
-    assert accepted_branch(1, 4, branches) == branches.index((2, 4))
-    assert accepted_branch(1, 5, branches) is None  # no runner-up was the target's token
-    assert accepted_branch(3, 4, branches) is None  # all drafts accepted: nothing to branch from
+    # drafts 7 accepted, 8 rejected: the target's token at row 2 is 4 -> the branch (2, 4), then its row's argmax
+    logits = torch.zeros(4 + len(branches), 12)
+    logits[0, 7] = logits[1, 4] = logits[4 + branches.index((2, 4, -1)), 11] = 1.0
+    assert verify_tree([7, 8, 9], None, logits, branches, SamplingParams(), torch.Generator()) == ([7, 4, 11], 1, [branches.index((2, 4, -1))])
+    logits[1, 4], logits[1, 5] = 0.0, 1.0  # no runner-up was the target's token
+    assert verify_tree([7, 8, 9], None, logits, branches, SamplingParams(), torch.Generator()) == ([7, 5], 1, [])
     with pytest.raises(ValueError, match="alternatives"):
         Proposal(tokens=[7], probs=None, alternatives=[(0, 7, 0.5)])  # the draft's own token
     with pytest.raises(ValueError, match="alternatives"):
         Proposal(tokens=[7], probs=None, alternatives=[(1, 3, 0.5)])
+
+
+def test_deeper_trees_pick_best_first_and_follow_kept_paths():
+    # Chain 7 8 9; runner-up 1 beside 7 (row 1) continued by 5 (then 6), runner-up 2 beside 8 (row 2).
+    proposal = Proposal(
+        tokens=[7, 8, 9], probs=None,
+        alternatives=[(0, 1, 0.4), (1, 2, 0.1)],
+        continuations=[(0, 5, 0.3), (2, 6, 0.05), (0, 3, 0.02)],  # 5 after 1; 6 after 1 5; 3 after 1
+    )
+    # Best-first: 1 (0.4), 5 after it (0.3), 2 (0.1), then 6 after 5 (0.05); never a child without its parent.
+    assert pick_branches(proposal, 4) == [(1, 1, -1), (1, 5, 0), (2, 2, -1), (1, 6, 1)]
+    assert pick_branches(proposal, 1) == [(1, 1, -1)]
+    branches = pick_branches(proposal, 5)
+    # The target rejects 7 for 1, then takes 5 and 6 along the branch rows, then says 13: 4 tokens.
+    logits = torch.zeros(4 + len(branches), 16)
+    logits[0, 1] = 1.0
+    logits[4 + 0, 5] = logits[4 + 1, 6] = logits[4 + 3, 13] = 1.0
+    output, num_accepted, kept = verify_tree([7, 8, 9], None, logits, branches, SamplingParams(), torch.Generator())
+    assert (output, num_accepted, kept) == ([1, 5, 6, 13], 0, [0, 1, 3])
+    # A path no longer than the chain, parents earlier and one token per sibling, or a clear error.
+    for continuations in ([(0, 5, 0.3), (1, 6, 0.1), (2, 4, 0.1)], [(1, 5, 0.3)], [(0, 5, 0.3), (0, 5, 0.2)]):
+        with pytest.raises(ValueError, match="continuations"):
+            Proposal(tokens=[7, 8, 9], probs=None, alternatives=[(0, 1, 0.4)], continuations=continuations)
+    # Cutting a proposal at an out-of-vocabulary draft drops the nodes that reach past the cut.
+    cut = checked_proposal(Proposal([7, 8, 99], None, 0, [(0, 1, 0.4), (2, 2, 0.1)], [(0, 5, 0.3), (2, 6, 0.1)]), 3, 16, "test")
+    assert cut.tokens == [7, 8] and cut.alternatives == [(0, 1, 0.4)] and cut.continuations == [(0, 5, 0.3)]
 
 
 def test_draft_model_offers_runner_ups_greedy_and_sampling():
@@ -129,11 +195,13 @@ def test_draft_model_offers_runner_ups_greedy_and_sampling():
     assert DraftModel(draft.model).start(prompt, SamplingParams()).propose(DraftContext(prompt), 4, torch.Generator()).alternatives == []
 
 
-def test_sampled_tree_verification_follows_the_target_and_takes_branches():
-    # Two drafts from q_draft, the two best other tokens of q_draft offered beside each. The target:
-    # p0 for the first token, then P2[x1] after x1 (a chain row when x1 is the draft, the branch's
-    # own row when it is a branch). The first token must follow p0, and the second (when a pass
-    # emits one) P2[x1], whether it came after an accepted draft or after a taken branch.
+@pytest.mark.parametrize("deeper", [False, True])
+def test_sampled_tree_verification_follows_the_target_and_takes_branches(deeper):
+    # Two drafts from q_draft, the two best other tokens of q_draft offered beside each (deeper: each
+    # first-position runner-up continued by two children). The target: p0 for the first token, then
+    # P2[x1] after x1 (a chain row when x1 is the draft, the branch's own row when it is a branch),
+    # then `third` whatever came before. The emitted tokens must follow p0, P2[x1] and `third`
+    # position by position, whether they came from the chain, a runner-up or a runner-up's child.
     vocab, runs = 6, 6000
     generator = torch.Generator().manual_seed(5)
     sampling = SamplingParams(temperature=1.0)
@@ -143,28 +211,35 @@ def test_sampled_tree_verification_follows_the_target_and_takes_branches():
     # The first draft's law: p0 flattened, so the residual after a rejection sits on p0's best
     # tokens, which are q_draft's runner-ups: branches are often taken.
     q_draft = torch.stack([torch.softmax(0.4 * p0.log(), -1), torch.softmax(torch.randn(vocab, generator=generator), -1)])  # [2, vocab]
-    first_tokens, pairs, branch_taken = [], [], 0
+    first_tokens, pairs, thirds, branch_taken, deep_paths = [], [], [], 0, 0
     for _ in range(runs):
         drafts = torch.multinomial(q_draft, 1, generator=generator)[:, 0].tolist()
-        branches = [(index + 1, token) for index in range(2) for token in _best_others(q_draft[index], drafts[index], 2)]
-        # A branch at row 1 stands for x1 = token (next: P2[token]); at row 2 for x2 = token (next: third).
-        branch_rows = [second[token] if row == 1 else third for row, token in branches]
-        logits = torch.stack([p0, second[drafts[0]], third, *branch_rows]).log()  # [3 + 4, vocab]
+        runner_ups = [_best_others(q_draft[index], drafts[index], 2) for index in range(2)]
+        branches = [(index + 1, token, -1) for index in range(2) for token in runner_ups[index]]
+        if deeper:
+            branches += [(1, child, parent) for parent, token in enumerate(runner_ups[0]) for child in second[token].argsort(descending=True)[:2].tolist()]
+        # A runner-up at row 1 stands for x1 = token (next: P2[token]); every row after two tokens gives `third`.
+        branch_rows = [second[token] if row == 1 and parent < 0 else third for row, token, parent in branches]
+        logits = torch.stack([p0, second[drafts[0]], third, *branch_rows]).log()  # [3 + branches, vocab]
         output, num_accepted, kept = verify_tree(drafts, q_draft, logits, branches, sampling, generator)
-        if kept is not None:
+        assert len(output) == num_accepted + len(kept) + 1 <= 3
+        if kept:
             branch_taken += 1
-            assert branches[kept][0] == num_accepted + 1 and output[num_accepted] == branches[kept][1]
-            assert len(output) == num_accepted + 2
+            assert branches[kept[0]][0] == num_accepted + 1 and output[num_accepted] == branches[kept[0]][1]
+        deep_paths += len(kept) == 2
         first_tokens.append(output[0])
         if len(output) >= 2:
             pairs.append((output[0], output[1]))
-    assert branch_taken > runs // 5
+        if len(output) == 3:
+            thirds.append(output[2])
+    assert branch_taken > runs // 5 and (deep_paths > runs // 20) == deeper
     assert goodness_of_fit_pvalue(torch.bincount(torch.tensor(first_tokens), minlength=vocab).numpy(), p0.numpy()) > SIGNIFICANCE
     observed = torch.zeros(vocab, vocab)
     for x1, x2 in pairs:
         observed[x1, x2] += 1
     expected = observed.sum(1, keepdim=True) * second  # each first token's count times P2[x1]
     assert goodness_of_fit_pvalue(observed.numpy(), expected.numpy()) > SIGNIFICANCE
+    assert goodness_of_fit_pvalue(torch.bincount(torch.tensor(thirds), minlength=vocab).numpy(), third.numpy()) > SIGNIFICANCE
 
 
 def _best_others(probs: torch.Tensor, drafted: int, count: int) -> list[int]:
@@ -272,14 +347,20 @@ def target():
 
 
 @needs_wide_kernels
-def test_eagle_draft_trees_stay_exact_and_hand_the_head_the_kept_branch_features(target, trained_head):
+@pytest.mark.parametrize("expand", [0, 2])
+def test_eagle_draft_trees_stay_exact_and_hand_the_head_the_kept_branch_features(target, trained_head, expand, monkeypatch):
     # A kept branch stands where the rejected draft stood: the head must then read the branch
     # row's feature there (not the rejected draft's), or its later drafts condition on a token
     # that is not in the text. Greedy output stays the target's either way, so check the features.
+    # expand 2: deeper trees, whose kept paths of several branches must hand over every row.
     from verispec.drafters.eagle import EagleDrafter
+    from verispec.engine import decoder as decoder_module
 
     model = use_panel_kernels(target)
-    drafter = EagleDrafter(model, trained_head, alternatives=2)
+    drafter = EagleDrafter(model, trained_head, alternatives=2, expand=expand)
+    kept_paths: list[int] = []  # branches kept per tree round
+    verify = decoder_module.verify_tree
+    monkeypatch.setattr(decoder_module, "verify_tree", lambda *args: (result := verify(*args), kept_paths.append(len(result[2])))[0])
     handed: dict[int, torch.Tensor] = {}  # position -> the feature the head was handed for it
 
     class Recording:
@@ -314,6 +395,7 @@ def test_eagle_draft_trees_stay_exact_and_hand_the_head_the_kept_branch_features
         assert sorted(handed) == list(range(len(handed)))
         torch.testing.assert_close(torch.stack([handed[i] for i in range(len(handed))]), truth[: len(handed)], atol=1e-4, rtol=1e-4)
     assert kept > 0, "no branch was kept: the test would not see a wrong hand-over"
+    assert (max(kept_paths) > 1) == (expand > 0), kept_paths  # deeper trees keep whole runner-up paths
     # Chains only, the head offers no runner-ups (no softmax spent on them).
     chain = EagleDrafter(model, trained_head).start([5, 6, 7], SamplingParams())
     assert chain.propose(DraftContext([5, 6, 7], truth[:2], 0), 3, torch.Generator()).alternatives == []
@@ -324,6 +406,45 @@ def test_eagle_draft_trees_stay_exact_and_hand_the_head_the_kept_branch_features
         assert token != sampled.tokens[index] and sampled.probs[index, token] > 0 and 0 < score <= 1
     with pytest.raises(ValueError, match="alternatives"):
         EagleDrafter(model, trained_head, alternatives=-1)
+
+
+def test_eagle_tree_continuations_are_what_the_head_predicts_after_their_path(target, trained_head):
+    # Each continuation must be one of the head's two best tokens after its whole path, fed as a
+    # cached chain would feed it (the runner-up at its draft's position, then each child one on),
+    # scored by the path's probability; no path longer than the chain; the chain is the one-level
+    # round's chain (the tree rides along, it does not change the drafts).
+    from verispec.drafters.eagle import EagleDrafter
+
+    prompt = [5, 6, 7, 8, 9, 10]
+    with torch.no_grad():
+        truth = target.model(torch.tensor([prompt])).last_hidden_state[0]
+    context = DraftContext(prompt, truth[:-1], 0)
+    deep = EagleDrafter(target, trained_head, alternatives=2, expand=3)
+    one_level = EagleDrafter(target, trained_head, alternatives=2).start(prompt, SamplingParams()).propose(context, 5, torch.Generator())
+    session = deep.start(prompt, SamplingParams())
+    proposal = session.propose(context, 5, torch.Generator())
+    assert proposal.tokens == one_level.tokens
+    assert [entry[:2] for entry in proposal.alternatives] == [entry[:2] for entry in one_level.alternatives]
+    assert [entry[2] for entry in proposal.alternatives] == pytest.approx([entry[2] for entry in one_level.alternatives], rel=1e-4)
+    assert proposal.continuations and len(proposal.tokens) >= 2
+    nodes = [(index, [token], score) for index, token, score in proposal.alternatives]  # (draft index it leaves at, path, score)
+    for parent, token, score in proposal.continuations:
+        index, path, parent_score = nodes[parent]
+        nodes.append((index, path + [token], score))
+        assert index + len(path) < len(proposal.tokens) and 0 < score <= parent_score
+        # The head fed the chain up to the branch point, then the path: its top-2 after the path.
+        real = session.num_real
+        features, cache = session.next_feature, session.cache
+        with torch.inference_mode():  # as drafting runs (the session's cache holds inference tensors)
+            for fed in proposal.tokens[:index] + path:
+                features = deep.head(features[None, None], deep.embed(torch.tensor([[fed]])).float(), start=cache.length, cache=cache)[0, 0]
+            probs = torch.softmax(deep.draft_logits(features[None])[0], -1)
+        cache.crop(real)
+        best = probs.topk(2)
+        assert token in best.indices.tolist()
+        assert score == pytest.approx(parent_score * float(probs[token]), rel=1e-3)
+    with pytest.raises(ValueError, match="expand"):
+        EagleDrafter(target, trained_head, expand=-1)
 
 
 @needs_wide_kernels

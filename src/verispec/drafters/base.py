@@ -42,12 +42,23 @@ class Proposal:
     # tokens[i] after tokens[:i]; score = the drafter's probability that the target takes exactly
     # tokens[:i] + [token] (the engine verifies the best-scored ones in spare rows of its pass).
     alternatives: list[tuple[int, int, float]] = field(default_factory=list)
+    # Deeper draft trees: (parent, token, score), ``token`` drafted after the runner-up path ending at
+    # node ``parent`` — an index into ``alternatives + continuations``, an earlier entry; score as for
+    # alternatives (the drafter's probability of the whole path). No path is longer than the chain.
+    continuations: list[tuple[int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
             raise ValueError(f"Proposal.probs has {self.probs.shape[0]} rows for {len(self.tokens)} tokens")
         if any(not 0 <= index < len(self.tokens) or token == self.tokens[index] for index, token, _ in self.alternatives):
             raise ValueError("Proposal.alternatives must name draft indices in range, each with a token other than the draft's")
+        reach = [index for index, _, _ in self.alternatives]  # per node: the draft index its path ends beside
+        siblings: set[tuple[int, int]] = set()
+        for number, (parent, token, _) in enumerate(self.continuations):
+            if not 0 <= parent < len(reach) or reach[parent] + 1 >= len(self.tokens) or (parent, token) in siblings:
+                raise ValueError("Proposal.continuations must name earlier nodes, one token each, and stay as short as the chain")
+            siblings.add((parent, token))
+            reach.append(reach[parent] + 1)
 
 
 def unseen_context_rows(context: DraftContext, num_seen: int, drafter_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -51,11 +51,12 @@ def shared_prefix_attention(
     prefix_visible: torch.Tensor | None,  # [batch, 1, 1, P] bool: which prefix keys a batch entry sees (None: all)
     own: KeysValues,  # [batch, kv_heads, n, head_dim]: the entry's own rows' keys, values
     causal: bool,  # own rows see each other causally (True) or all of each other (False)
+    own_visible: torch.Tensor | None = None,  # [batch, 1, 1, n] bool: which own rows a batch entry sees (None: as ``causal`` says)
 ) -> torch.Tensor:
     """Grouped-query attention output # [batch, heads, n, head_dim]."""
     if isinstance(prefix, SequencePrefixes):
-        if prefix_visible is not None:
-            raise ValueError("SequencePrefixes: every entry sees its whole prefix (prefix_visible must be None)")
+        if prefix_visible is not None or own_visible is not None:
+            raise ValueError("SequencePrefixes: every entry sees its whole prefix and own rows (prefix_visible must be None, as must own_visible)")
         if sum(prefix.counts) != query.shape[0]:
             raise ValueError(f"SequencePrefixes counts {prefix.counts} do not add up to the batch of {query.shape[0]}")
         parts = zip(query.split(prefix.counts), own[0].split(prefix.counts), own[1].split(prefix.counts), prefix.prefixes)
@@ -67,6 +68,8 @@ def shared_prefix_attention(
     if causal and num_new > 1:
         future = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).triu(1).repeat(heads // kv_heads, 1)
         own_scores = own_scores.masked_fill(future, float("-inf"))
+    if own_visible is not None:
+        own_scores = own_scores.masked_fill(~own_visible, float("-inf"))
     if prefix is None:
         weights = own_scores.softmax(-1)
         return (weights @ own[1]).reshape(batch, heads, num_new, head_dim)

@@ -22,6 +22,28 @@ class ForwardOutput:
     features: torch.Tensor  # [num_fed, hidden]: the top-layer features (what the LM head reads) of the fed tokens
 
 
+# One row of a draft tree beside a pass's chain (CachedLM.extend_branches): (index, token, parent).
+# parent -1: ``token`` stands as an alternative to the chain's new_ids[index], after new_ids[:index];
+# parent p >= 0: ``token`` continues branch p (an earlier entry, with the same index), one position on.
+Branch = tuple[int, int, int]
+
+
+def checked_branches(chain_length: int, branches: list[Branch]) -> None:
+    """ValueError unless ``branches`` form a draft tree beside a chain of ``chain_length`` fed tokens:
+    indices in [1, chain_length), parents earlier entries with the same index, and no path deeper
+    than the chain (index + depth < chain_length: a kept path replaces chain drafts one for one, so a
+    pass still emits at most one token more than it drafted)."""
+    depth: list[int] = []
+    for number, (index, _, parent) in enumerate(branches):
+        if not 1 <= index < chain_length:
+            raise ValueError(f"branch indices must be in [1, {chain_length}) of a non-empty chain, got {[entry[0] for entry in branches]}")
+        if parent >= 0 and (parent >= number or branches[parent][0] != index):
+            raise ValueError(f"branch {number}'s parent must be an earlier branch with the same index, got parent {parent}")
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+        if index + depth[-1] >= chain_length:
+            raise ValueError(f"branch {number} reaches past the chain: index {index} + depth {depth[-1]} >= {chain_length}")
+
+
 @functools.cache
 def cache_argument_name(body_class: type) -> str:
     # transformers >= 5.2x renamed the forward argument past_key_values to cache.
@@ -119,16 +141,18 @@ class CachedLM:
         """The most rows :meth:`extend_branches` takes in one pass; 0: this LM runs no draft trees."""
         return 0
 
-    def extend_branches(self, new_ids: list[int], branches: list[tuple[int, int]], argmax_only: bool = False) -> ForwardOutput:
+    def extend_branches(self, new_ids: list[int], branches: list["Branch"], argmax_only: bool = False) -> ForwardOutput:
         """Feed ``new_ids`` as :meth:`extend` does plus, in the same pass, one row per (index,
-        token) in ``branches``: ``token`` as an alternative to ``new_ids[index]`` (index >= 1), seeing
-        what precedes that index. Logits for every row # [len(new_ids) + len(branches), vocab]. The
-        branch rows' keys/values sit after the chain until :meth:`keep_branch` moves one in place."""
+        token, parent) in ``branches`` (:data:`Branch`): ``token`` as an alternative to ``new_ids[index]``
+        (index >= 1), seeing what precedes that index, or continuing the earlier branch ``parent``
+        (then seeing its path too). Logits for every row # [len(new_ids) + len(branches), vocab]. The
+        branch rows' keys/values sit after the chain until :meth:`keep_branch` moves them in place."""
         raise NotImplementedError(f"{type(self).__name__} runs no draft trees (max_branch_rows() is 0)")
 
     def keep_branch(self, branch_slot: int, position: int) -> None:
         """Make the token fed at ``branch_slot`` (a branch row of the last :meth:`extend_branches`)
-        the sequence's token at ``position``; the caller then crops to ``position + 1``."""
+        the sequence's token at ``position`` (a kept path: each of its branches in order); the caller
+        then crops to just past the last."""
         raise NotImplementedError(f"{type(self).__name__} runs no draft trees")
 
     def release(self) -> None:

@@ -8,6 +8,7 @@ scores it and all drafts, and every pass emits between 1 and gamma+1 tokens. Wit
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from verispec.drafters.base import DraftContext, Drafter, Proposal
+from verispec.engine.cached_lm import Branch
 from verispec.engine.lean_lm import prefix_reuse_unsupported_reason, target_lm
 from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.gamma import AdaptiveGamma
@@ -228,11 +230,11 @@ class SpeculativeDecoder:
                         output, num_accepted, kept = verify_tree(drafts, proposal.probs, forward.logits, branches, sampling, generator)
                         stats.branches_verified += len(branches)
                         fed_rows = list(range(num_accepted + 1))  # rows of the pass whose tokens are now committed
-                        if kept is not None:  # a runner-up was taken: it and the token after it were emitted
-                            target.keep_branch(len(tokens) + len(drafts) + kept, len(tokens) + num_accepted)
-                            fed_rows.append(len(drafts) + 1 + kept)  # the branch row stands where the rejected draft's stood
-                            num_accepted += 1
-                            stats.branches_accepted += 1
+                        for depth, number in enumerate(kept):  # a runner-up path was taken: its tokens and the one after were emitted
+                            target.keep_branch(len(tokens) + len(drafts) + number, len(tokens) + num_accepted + depth)
+                            fed_rows.append(len(drafts) + 1 + number)  # the branch row stands where the rejected draft's stood
+                        num_accepted += len(kept)
+                        stats.branches_accepted += len(kept)
                         kept_features = forward.features[fed_rows] if wants_features else None
                     else:
                         forward = target.extend([tokens[-1]] + drafts, num_logits=len(drafts) + 1, argmax_only=sampling.is_greedy)
@@ -266,65 +268,87 @@ class SpeculativeDecoder:
                 self.monitor.forget(scopes[1])
 
 
-def pick_branches(proposal: Proposal, spare_rows: int) -> list[tuple[int, int]]:
-    """The runner-ups to verify beside the chain: the best-scored ``spare_rows`` of the proposal's
-    alternatives, as (row index in the pass, token): the alternative to draft i is fed at row i + 1
-    (row 0 is the last committed token)."""
+def pick_branches(proposal: Proposal, spare_rows: int) -> list[Branch]:
+    """The tree nodes to verify beside the chain, best-first: the best-scored of the proposal's
+    alternatives and of the continuations of nodes already picked, ``spare_rows`` of them, as
+    :data:`~verispec.engine.cached_lm.Branch` (row index in the pass, token, parent branch): the
+    alternative to draft i is fed at row i + 1 (row 0 is the last committed token), a continuation
+    beside its parent's row (its parent the picked branch's number). A node comes only with its parent."""
     if spare_rows <= 0 or not proposal.alternatives:
         return []
-    best = sorted(proposal.alternatives, key=lambda alternative: -alternative[2])[:spare_rows]
-    return [(index + 1, token) for index, token, _ in best]
+    nodes = [(index + 1, token, -1, score) for index, token, score in proposal.alternatives]
+    nodes += [(None, token, parent, score) for parent, token, score in proposal.continuations]
+    children: dict[int, list[int]] = {}
+    for number, (_, _, parent, _) in enumerate(nodes):
+        children.setdefault(parent, []).append(number)
+    frontier = [(-nodes[number][3], number) for number in children.get(-1, [])]
+    heapq.heapify(frontier)
+    picked: dict[int, int] = {}  # node number -> branch number
+    branches: list[Branch] = []
+    while frontier and len(branches) < spare_rows:
+        _, number = heapq.heappop(frontier)
+        row, token, parent, _ = nodes[number]
+        parent_branch = -1 if parent < 0 else picked[parent]
+        picked[number] = len(branches)
+        branches.append((row if parent < 0 else branches[parent_branch][0], token, parent_branch))
+        for child in children.get(number, []):
+            heapq.heappush(frontier, (-nodes[child][3], child))
+    return branches
 
 
 def verify_tree(
     draft_tokens: list[int],
     draft_probs: torch.Tensor | None,  # [k, vocab_draft] or None
     target_logits: torch.Tensor,  # [k+1+m, vocab]: the chain's rows, then one per branch
-    branches: list[tuple[int, int]],  # m (row, token), as pick_branches gives them
+    branches: list[Branch],  # m (row, token, parent), as pick_branches gives them
     sampling: SamplingParams,
     generator: torch.Generator,
-) -> tuple[list[int], int, int | None]:
-    """Verify a one-level draft tree: ``(emitted tokens, chain drafts accepted, kept branch)``.
+) -> tuple[list[int], int, list[int]]:
+    """Verify a draft tree: ``(emitted tokens, chain drafts accepted, kept branches)``.
 
     The chain is verified as :func:`verify_drafts` does. At its first rejected draft the branches
     standing there compete for the recovered token: greedy, the one equal to the target's argmax;
     sampling, :func:`~verispec.rejection.sample_through_candidates` draws the recovered token from
-    the residual through them, best-scored first. A taken branch (its index in ``branches``) is
-    followed by the target's next token from its own row, so the tokens end
-    ``[..accepted drafts, branch token, next]``; otherwise they are what verify_drafts emits.
+    the residual through them, best-scored first. A taken branch's own row then gives the next
+    token the same way, through that branch's children (drawn from p_target of that row: every
+    token on a kept path is deterministic, so each draw is exact as it stands), until a token is no
+    child's. ``kept`` lists the taken branches in order (their indices in ``branches``), so the
+    tokens end ``[..accepted drafts, kept branch tokens.., next]``.
     (Every row's logits come from the pass's one LM-head call: a second call for a taken branch's
     row alone would read the head's weights again; on the Zen 4 EPYC the 1.5B target's head took
     21-31 ms a call whether it computed 1 or 13 rows: README, Performance, 2026-12-06 (morning).)"""
     k = len(draft_tokens)
+
+    def standing(parent: int) -> list[int]:  # the branches to offer after the chain's rejection / after branch `parent`
+        return [number for number, (row, _, up) in enumerate(branches) if up == parent and (parent >= 0 or row == num_accepted + 1)]
+
     if sampling.is_greedy:
         output, num_accepted = verify_drafts(draft_tokens, None, target_logits[: k + 1], sampling, generator)
-        kept = accepted_branch(num_accepted, output[-1], branches)
-        if kept is None:
-            return output, num_accepted, None
-        return output + [int(target_logits[k + 1 + kept].argmax())], num_accepted, kept
+        kept: list[int] = []
+        candidates = standing(-1) if num_accepted < k else []
+        while (taken := next((number for number in candidates if branches[number][1] == output[-1]), None)) is not None:
+            kept.append(taken)
+            output.append(int(target_logits[k + 1 + taken].argmax()))
+            candidates = standing(taken)
+        return output, num_accepted, kept
     target_probs = logits_to_probs(target_logits[: k + 1], sampling)  # [k+1, vocab]
     if draft_probs is not None:
         draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])[None]
     accepted, p_next = accept_drafts(torch.tensor([draft_tokens], dtype=torch.long), draft_probs, target_probs[None], generator)
     num_accepted = int(accepted[0])
-    standing = [number for number, (row, _) in enumerate(branches) if row == num_accepted + 1] if num_accepted < k else []
-    candidates = torch.tensor([branches[number][1] for number in standing], dtype=torch.long)
-    token, taken = sample_through_candidates(p_next[0], candidates, generator)
-    output = draft_tokens[:num_accepted] + [token]
-    if taken is None:
-        return output, num_accepted, None
-    kept = standing[taken]
-    return output + [int(sample_from(logits_to_probs(target_logits[k + 1 + kept], sampling)[None], generator)[0])], num_accepted, kept
-
-
-def accepted_branch(num_accepted: int, correction: int, branches: list[tuple[int, int]]) -> int | None:
-    """Greedy verification of a one-level tree: the chain's drafts were accepted up to
-    ``num_accepted`` and the target's token at the next position is ``correction``; the branch
-    (index into ``branches``) standing at that position with that token, if any."""
-    for number, (row, token) in enumerate(branches):
-        if row == num_accepted + 1 and token == correction:
-            return number
-    return None
+    output, kept, law = draft_tokens[:num_accepted], [], p_next[0]  # law # [vocab]: what the next token is drawn from
+    candidates = standing(-1) if num_accepted < k else []
+    while True:
+        if not candidates and kept:  # a leaf's next token: p_target of its row
+            output.append(int(sample_from(law[None], generator)[0]))
+            return output, num_accepted, kept
+        token, taken = sample_through_candidates(law, torch.tensor([branches[number][1] for number in candidates], dtype=torch.long), generator)
+        output.append(token)
+        if taken is None:
+            return output, num_accepted, kept
+        kept.append(candidates[taken])
+        law = logits_to_probs(target_logits[k + 1 + kept[-1]], sampling)
+        candidates = standing(kept[-1])
 
 
 def draft_context(tokens: list[int], unseen_features: list[torch.Tensor], target_length: int) -> DraftContext:
@@ -365,11 +389,24 @@ def checked_proposal(proposal: Proposal, max_tokens: int, vocab_size: int, draft
         raise RuntimeError(f"drafter {drafter_name!r} proposed {len(proposal.tokens)} tokens, asked for at most {max_tokens}")
     in_vocab = [0 <= token < vocab_size for token in proposal.tokens]
     keep = in_vocab.index(False) if not all(in_vocab) else len(in_vocab)
-    alternatives = [alternative for alternative in proposal.alternatives if alternative[0] < keep and 0 <= alternative[1] < vocab_size]
-    if keep == len(in_vocab) and len(alternatives) == len(proposal.alternatives):
+    # Tree nodes stay while their token is the target's, their parent stays and their path is no
+    # longer than the kept chain (a node's reach: the draft index its path ends beside).
+    reach = [index for index, _, _ in proposal.alternatives] + [-1] * len(proposal.continuations)
+    renumbered: dict[int, int] = {}
+    for number, (index, token, _) in enumerate(proposal.alternatives):
+        if index < keep and 0 <= token < vocab_size:
+            renumbered[number] = len(renumbered)
+    alternatives = [proposal.alternatives[number] for number in renumbered]
+    continuations = []
+    for number, (parent, token, score) in enumerate(proposal.continuations, start=len(proposal.alternatives)):
+        reach[number] = reach[parent] + 1
+        if parent in renumbered and reach[number] < keep and 0 <= token < vocab_size:
+            renumbered[number] = len(renumbered)
+            continuations.append((renumbered[parent], token, score))
+    if keep == len(in_vocab) and len(renumbered) == len(reach):
         return proposal
     probs = None if proposal.probs is None else proposal.probs[:keep]
-    return Proposal(proposal.tokens[:keep], probs, proposal.num_forward_passes, alternatives)
+    return Proposal(proposal.tokens[:keep], probs, proposal.num_forward_passes, alternatives, continuations)
 
 
 def _match_vocab(draft_probs: torch.Tensor, vocab: int) -> torch.Tensor:

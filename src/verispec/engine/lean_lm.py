@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
-from verispec.engine.cached_lm import CachedLM, ForwardOutput
+from verispec.engine.cached_lm import Branch, CachedLM, ForwardOutput, checked_branches
 from verispec.engine.kv_cache import LayerKVCache, RowLog, causal_mask_after
 from verispec.engine.prefix_cache import PrefixCache, start_sequence
 from verispec.models.panel_linear import PanelLinear, bf16_kernels_available, bf16_uses_amx, int8_uses_amx, panel_library, panel_or_same
@@ -235,18 +235,24 @@ class LeanDecoder:
         return features
 
     @torch.inference_mode()
-    def forward_branches(self, input_ids: torch.Tensor, caches: list[LayerKVCache], row_prefix: list[int]) -> torch.Tensor:
-        """:meth:`forward` for a one-level draft tree in one fused call: input_ids # [n] is a chain
-        followed by branch rows; ``row_prefix`` [n] holds -1 for a chain row and, for a branch row,
-        the position it stands at: it sees the cache below that position and itself, and is rotated
-        to it. Every row goes to the next slot of the cache (a branch row after the chain), and every
-        row's features are bit for bit what feeding its token at its position in a chain gives."""
+    def forward_branches(self, input_ids: torch.Tensor, caches: list[LayerKVCache], row_prefix: list[int], row_parent: list[int] | None = None) -> torch.Tensor:
+        """:meth:`forward` for a draft tree in one fused call: input_ids # [n] is a chain followed by
+        branch rows; ``row_prefix`` [n] holds -1 for a chain row and, for a branch row, the position
+        where its path leaves the chain: it sees the cache below that position, then ``row_parent``'s
+        chain of branch rows (a row's parent row, -1 for none; None: no branch has one), then itself,
+        and is rotated to prefix + its depth. Every row goes to the next slot of the cache (a branch
+        row after the chain), and every row's features are bit for bit what feeding its path at its
+        position in a chain gives."""
         num_new, start = len(input_ids), caches[0].length
         if self.fused is None or num_new > self.fused.max_rows:
             raise ValueError(f"branch rows need the fused stack and at most {0 if self.fused is None else self.fused.max_rows} rows")
-        positions = torch.tensor([start + row if prefix < 0 else prefix for row, prefix in enumerate(row_prefix)], dtype=torch.float32)
+        depth = [0] * num_new
+        for row in range(num_new):
+            if row_parent is not None and row_parent[row] >= 0:
+                depth[row] = depth[row_parent[row]] + 1
+        positions = torch.tensor([start + row if prefix < 0 else prefix + depth[row] for row, prefix in enumerate(row_prefix)], dtype=torch.float32)
         cos, sin = rotary_cos_sin(positions, self.inv_freq)  # [n, head_dim]
-        return self.fused(self.embed(input_ids), [caches], [num_new], cos, sin, row_prefix)
+        return self.fused(self.embed(input_ids), [caches], [num_new], cos, sin, row_prefix, row_parent)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, caches: list[LayerKVCache], row_exact: bool = False) -> torch.Tensor:
@@ -363,11 +369,12 @@ class _FusedStack:
         cos: torch.Tensor,  # [n, head_dim] each row's rotary angles
         sin: torch.Tensor,  # [n, head_dim]
         row_prefix: list[int] | None = None,  # [n] per row: -1 (a chain row), or a branch row's prefix length
+        row_parent: list[int] | None = None,  # [n] per row: a branch row's parent branch row, or -1
     ) -> torch.Tensor:  # [n, hidden] top-layer features
         """One pass extending several sequences: the products run over all their rows at once, each
         row's attention reads its own sequence's cache (batched serving; one sequence: a decoding step).
-        ``row_prefix``: a branch row (one sequence) sees positions 0..prefix-1 and itself (see
-        :meth:`LeanLM.extend_branches`); None: every row is a chain row."""
+        ``row_prefix``: a branch row (one sequence) sees positions 0..prefix-1, its ancestors along
+        ``row_parent`` and itself (see :meth:`LeanLM.extend_branches`); None: every row is a chain row."""
         decoder = self.decoder
         starts = [caches[0].length for caches in sequences]
         for caches, count in zip(sequences, rows):  # the kernel writes the new keys/values in place: claim the positions first
@@ -384,7 +391,7 @@ class _FusedStack:
             self.dims, decoder.eps, self.kind, len(sequences), int64s(rows), int64s(starts), int64s(capacities),
             (ctypes.c_void_p * len(buffers))(*buffers), hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             self.weights, self.scales, self.colsums, self.biases, self.norms, self.final_norm.data_ptr(), out.data_ptr(),
-            None if row_prefix is None else int64s(row_prefix), torch.get_num_threads(),
+            None if row_prefix is None else int64s(row_prefix), None if row_parent is None else int64s(row_parent), torch.get_num_threads(),
         )
         return out
 
@@ -473,13 +480,14 @@ class LeanLM(CachedLM):
         return 0 if self.decoder.fused is None else self.decoder.fused.max_rows
 
     @torch.inference_mode()
-    def extend_branches(self, new_ids: list[int], branches: list[tuple[int, int]], argmax_only: bool = False) -> ForwardOutput:
+    def extend_branches(self, new_ids: list[int], branches: list[Branch], argmax_only: bool = False) -> ForwardOutput:
         start = len(self.token_ids)
-        if not new_ids or any(not 1 <= index < len(new_ids) for index, _ in branches):
-            raise ValueError(f"branch indices must be in [1, {len(new_ids)}) of a non-empty chain, got {[index for index, _ in branches]}")
-        row_prefix = [-1] * len(new_ids) + [start + index for index, _ in branches]
-        input_ids = torch.tensor(new_ids + [token for _, token in branches], dtype=torch.long)
-        features = self.decoder.forward_branches(input_ids, self.cache, row_prefix)  # [n, hidden]
+        checked_branches(len(new_ids), branches)
+        row_prefix = [-1] * len(new_ids) + [start + index for index, _, _ in branches]
+        parents = [parent for _, _, parent in branches]
+        row_parent = [-1] * len(new_ids) + [-1 if parent < 0 else len(new_ids) + parent for parent in parents] if max(parents, default=-1) >= 0 else None
+        input_ids = torch.tensor(new_ids + [token for _, token, _ in branches], dtype=torch.long)
+        features = self.decoder.forward_branches(input_ids, self.cache, row_prefix, row_parent)  # [n, hidden]
         self.token_ids.extend(input_ids.tolist())
         self.log_features(features)
         return ForwardOutput(logits=self.logits(features, argmax_only), features=features)

@@ -707,6 +707,10 @@ struct Segments {
   // 0..prefix-1 and then its own slot, as if it sat at position prefix (a draft tree's alternative
   // token, stored after the chain). -1 for a chain row: it sees every position up to its own slot.
   const int64_t* row_prefix;
+  // Per row (null: no branch has a parent), a branch row's parent branch row (a deeper draft tree:
+  // the row continues that branch), or -1: between the prefix and its own slot the row sees its
+  // ancestors' slots, root first, as positions prefix, prefix + 1, ... (so it sits at prefix + depth).
+  const int64_t* row_parent;
 };
 
 // Products whose outputs sit side by side in y [M, sum of the parts' N]; x is quantised once (VNNI).
@@ -928,23 +932,26 @@ static inline void scores_of(const float* query, const float* key_rows, int64_t 
 // positions in order (continued across blocks through ctx), so a row's outputs do not depend on the
 // rows or blocks beside it.
 //
-// A task sees positions 0..prefix-1 of the cache and then its own slot `own` as position prefix:
-// a chain row has prefix = own = its position; a branch row (a draft tree's alternative token,
-// stored after the chain) has its own prefix, and computes exactly what its token fed in the chain
-// at position prefix computes.
+// A task sees positions 0..prefix-1 of the cache and then the slots of its tail as positions
+// prefix, prefix + 1, ...: a chain row has prefix = its position and tail = {its own slot}; a branch
+// row (a draft tree's alternative token, stored after the chain) has its own prefix and tail = its
+// ancestor branches' slots, then its own, and computes exactly what its path fed in the chain at
+// position prefix computes.
 #define ATTENTION_BLOCK 32
 struct AttentionTask {
   const float* query;  // [D]
-  float* score;        // [prefix + 1]: raw scores, then the softmax weights
+  float* score;        // [prefix + tail_len]: raw scores, then the softmax weights
   float* ctx;          // [D] output
-  int64_t prefix, own;
+  int64_t prefix;
+  const int64_t* tail;  // [tail_len] cache slots, the last one the row's own
+  int64_t tail_len;
 };
 
 static void attend(const AttentionTask* tasks, int64_t count, const float* key_rows, const float* value_rows, int64_t D, float scaling) {
   int64_t widest = 0;
   for (int64_t task = 0; task < count; ++task) widest = tasks[task].prefix > widest ? tasks[task].prefix : widest;
   // Scores of positions below prefix, four at a time, block by block; then the last prefix % 4 of
-  // them and the own slot in one dot4 (padded by repeating the own key).
+  // them and the tail's slots, four at a time (padded by repeating the own key).
   for (int64_t t0 = 0; t0 < widest; t0 += ATTENTION_BLOCK)
     for (int64_t task = 0; task < count; ++task) {
       const AttentionTask& a = tasks[task];
@@ -953,21 +960,24 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
     }
   for (int64_t task = 0; task < count; ++task) {
     const AttentionTask& a = tasks[task];
-    const int64_t first = a.prefix & ~(int64_t)3, visible = a.prefix + 1;
-    const float* keys[4];
-    float last[4];
-    for (int64_t b = 0; b < 4; ++b) keys[b] = key_rows + (first + b < a.prefix ? first + b : a.own) * D;
-    dot4(a.query, keys, D, last);
-    memcpy(a.score + first, last, sizeof(float) * (visible - first));
+    const int64_t visible = a.prefix + a.tail_len;
+    const auto slot = [&](int64_t t) { return t < a.prefix ? t : a.tail[(t < visible ? t : visible - 1) - a.prefix]; };
+    for (int64_t first = a.prefix & ~(int64_t)3; first < visible; first += 4) {
+      const float* keys[4];
+      float last[4];
+      for (int64_t b = 0; b < 4; ++b) keys[b] = key_rows + slot(first + b) * D;
+      dot4(a.query, keys, D, last);
+      memcpy(a.score + first, last, sizeof(float) * (visible - first < 4 ? visible - first : 4));
+    }
     softmax_row(a.score, visible, scaling);
   }
-  // ctx = sum_t score[t] value[t], positions block by block, then the own slot: a head of 64 or 128
-  // in 16-lane registers (AVX-512), else head_dim (a multiple of 8, checked by the caller) up to 64
-  // columns at a time.
-  const auto accumulate = [&](const AttentionTask& a, int64_t t0, int64_t t1, bool own) {
+  // ctx = sum_t score[t] value[t], positions block by block, then the tail's slots: a head of 64 or
+  // 128 in 16-lane registers (AVX-512), else head_dim (a multiple of 8, checked by the caller) up to
+  // 64 columns at a time. `slot` >= 0: the one position t0 reads that cache slot's value.
+  const auto accumulate = [&](const AttentionTask& a, int64_t t0, int64_t t1, int64_t slot) {
 #if defined(__AVX512F__)
-    if (D == 128) return weighted_values<8>(a.score, value_rows, t0, t1, own ? a.own : -1, a.ctx);
-    if (D == 64) return weighted_values<4>(a.score, value_rows, t0, t1, own ? a.own : -1, a.ctx);
+    if (D == 128) return weighted_values<8>(a.score, value_rows, t0, t1, slot, a.ctx);
+    if (D == 64) return weighted_values<4>(a.score, value_rows, t0, t1, slot, a.ctx);
 #endif
     for (int64_t first = 0; first < D; first += 64) {
       __m256 acc[8];
@@ -975,7 +985,7 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
       for (int64_t v = 0; v < vectors; ++v) acc[v] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(a.ctx + first + 8 * v);
       for (int64_t t = t0; t < t1; ++t) {
         const __m256 weight = _mm256_set1_ps(a.score[t]);
-        const float* value_row = value_rows + (own ? a.own : t) * D + first;
+        const float* value_row = value_rows + (slot >= 0 ? slot : t) * D + first;
         for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value_row + 8 * v), acc[v]);
       }
       for (int64_t v = 0; v < vectors; ++v) _mm256_storeu_ps(a.ctx + first + 8 * v, acc[v]);
@@ -983,8 +993,9 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
   };
   for (int64_t t0 = 0; t0 < widest; t0 += ATTENTION_BLOCK)
     for (int64_t task = 0; task < count; ++task)
-      if (t0 < tasks[task].prefix) accumulate(tasks[task], t0, std::min(t0 + ATTENTION_BLOCK, tasks[task].prefix), false);
-  for (int64_t task = 0; task < count; ++task) accumulate(tasks[task], tasks[task].prefix, tasks[task].prefix + 1, true);
+      if (t0 < tasks[task].prefix) accumulate(tasks[task], t0, std::min(t0 + ATTENTION_BLOCK, tasks[task].prefix), -1);
+  for (int64_t task = 0; task < count; ++task)
+    for (int64_t i = 0; i < tasks[task].tail_len; ++i) accumulate(tasks[task], tasks[task].prefix + i, tasks[task].prefix + i + 1, tasks[task].tail[i]);
 }
 
 template <int KIND>
@@ -1002,6 +1013,14 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
     for (int64_t j = 0; j < seq.rows[s]; ++j, ++i) row_seq[i] = s, row_pos[i] = seq.starts[s] + j;
     end = seq.starts[s] + seq.rows[s] > end ? seq.starts[s] + seq.rows[s] : end;
   }
+  // Each row's tail (see AttentionTask): its branch ancestors' slots, root first, then its own.
+  std::vector<int64_t> tail_first(n + 1, 0), tails;
+  for (int64_t i = 0; i < n; ++i) {
+    tail_first[i] = (int64_t)tails.size();
+    for (int64_t row = i; row >= 0; row = seq.row_parent ? seq.row_parent[row] : -1) tails.push_back(row_pos[row]);
+    std::reverse(tails.begin() + tail_first[i], tails.end());
+  }
+  tail_first[n] = (int64_t)tails.size();
   float* buffer = (float*)malloc(sizeof(float) * (n * (h + qkv_width + H * D + 3 * I) + n * H * end));
   float* normed = buffer;                  // [n, h]
   float* qkv = normed + n * h;             // [n, (H + 2 KV) D]
@@ -1051,7 +1070,8 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
       for (int64_t task = first; task < last; ++task) {
         const int64_t i = seq_first[s] + task / group, head = g * group + task % group, own = row_pos[i];
         tasks[task - first] = {qkv + i * qkv_width + head * D, scores + (i * H + head) * end, context + i * H * D + head * D,
-                               seq.row_prefix && seq.row_prefix[i] >= 0 ? seq.row_prefix[i] : own, own};
+                               seq.row_prefix && seq.row_prefix[i] >= 0 ? seq.row_prefix[i] : own, tails.data() + tail_first[i],
+                               tail_first[i + 1] - tail_first[i]};
       }
       attend(tasks.data(), last - first, layer_caches[2 * s] + g * capacity * D, layer_caches[2 * s + 1] + g * capacity * D, D, scaling);
     }
@@ -1343,9 +1363,10 @@ void verispec_lean_stack(const int64_t* dims, float eps, int kind, int64_t num_s
                          const int64_t* seq_starts, const int64_t* capacities, float* const* caches, float* x,
                          const float* cos, const float* sin, const void* const* weights, const float* const* scales,
                          const int32_t* const* colsums, const float* const* biases, const float* const* norms,
-                         const float* final_norm, float* out, const int64_t* row_prefix, int num_threads) {
+                         const float* final_norm, float* out, const int64_t* row_prefix, const int64_t* row_parent,
+                         int num_threads) {
   const LeanStackDims d = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], eps};
-  const Segments seq = {num_seqs, seq_rows, seq_starts, capacities, caches, row_prefix};
+  const Segments seq = {num_seqs, seq_rows, seq_starts, capacities, caches, row_prefix, row_parent};
   int64_t n = 0;
   for (int64_t s = 0; s < num_seqs; ++s) n += seq_rows[s];
   const int64_t H = d.heads, KV = d.kv_heads, D = d.head_dim, I = d.intermediate, h = d.hidden;

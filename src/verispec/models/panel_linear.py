@@ -174,7 +174,7 @@ def panel_library() -> ctypes.CDLL:
     library.verispec_silu_mul.argtypes = [pointer, pointer, pointer, int64]
     library.verispec_screened_head_i8.argtypes = [pointer, int64, int64, pointer, pointer, pointer, int64, pointer, pointer, pointer, int64, pointer, ctypes.c_int]
     library.verispec_screened_head_i8.restype = ctypes.c_int
-    library.verispec_lean_stack.argtypes = [pointer, ctypes.c_float, ctypes.c_int, int64, *[pointer] * 15, ctypes.c_int]
+    library.verispec_lean_stack.argtypes = [pointer, ctypes.c_float, ctypes.c_int, int64, *[pointer] * 16, ctypes.c_int]
     return library
 
 

@@ -25,6 +25,7 @@ from verispec.drafters.draft_model import checked_alternatives, checked_threshol
 from verispec.drafters.draft_vocab import reduced_lm_head, resolve_head
 from verispec.drafters.eagle.checkpoint import load_head
 from verispec.drafters.eagle.head import EagleHead
+from verispec.drafters.eagle.tree import draft_with_tree
 from verispec.drafters.far_memory import FarMemoryConfig, checked_far_memory
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.sampling import SamplingParams
@@ -57,6 +58,10 @@ class EagleDrafter:
     ``alternatives``: offer this many runner-up tokens per draft
     (:attr:`Proposal.alternatives`, scored by the head's probability of the path to them), which a
     decoder with ``tree_rows`` verifies beside the chain as a one-level draft tree; 0 (default): none.
+    ``expand`` (with ``alternatives``): a session drafting alone also drafts on this many of the
+    best-scored runner-up paths each draft step, in the chain's head call, offering their next
+    tokens as :attr:`Proposal.continuations` (a deeper draft tree: :mod:`verispec.drafters.eagle.tree`;
+    not for a head attending with far memory, whose rounds stay one-level); 0 (default): none.
     """
 
     needs_target_features = True
@@ -72,10 +77,14 @@ class EagleDrafter:
         far_memory: FarMemoryConfig | None = None,
         path_confidence: float | None = None,
         alternatives: int = 0,
+        expand: int = 0,
         name: str = "eagle",
     ) -> None:
         path_confidence = checked_threshold(path_confidence, "path_confidence")
         self.alternatives = checked_alternatives(alternatives)
+        if isinstance(expand, bool) or not isinstance(expand, int) or expand < 0:
+            raise ValueError(f"expand must be an integer >= 0, got {expand!r}")
+        self.expand = expand
         target_model, self.tokenizer, self.head, draft_vocab = resolve_head(target, head, draft_vocab, EagleHead, load_head, "EagleDrafter", quantize=quantize)
         self.far_memory = checked_far_memory(far_memory)
         self.path_confidence = path_confidence or None  # 0 = off
@@ -169,6 +178,10 @@ def _draft_in_lockstep(sessions: list[EagleSession], contexts: list[DraftContext
     session's head steps are :meth:`EagleHead.forward` as always (far memory included)."""
     drafter, head = sessions[0].drafter, sessions[0].drafter.head
     passes = _catch_up_many(sessions, contexts)
+    lone = sessions[0]
+    if len(sessions) == 1 and drafter.expand and drafter.alternatives and max_tokens[0] > 0 and (lone.far_memory is None or not lone.far_memory.changes_attention):
+        if lone.next_feature is not None and lone.num_real == len(contexts[0].token_ids) - 1:
+            return [draft_with_tree(lone, max_tokens[0], generators[0], passes[0])]
     tokens: list[list[int]] = [[] for _ in sessions]
     step_probs: list[list[torch.Tensor]] = [[] for _ in sessions]
     alternatives: list[list[tuple[int, int, float]]] = [[] for _ in sessions]  # (draft index, runner-up, the head's probability of the path to it)

@@ -238,6 +238,33 @@ class EagleHead(nn.Module):
             attended = shared_prefix_attention(apply_rotary(query, cos, sin), context, visible, (key, value), causal=False)
         return self._finish(hidden, attended)[:, 0]
 
+    def tree_steps(
+        self,
+        features: torch.Tensor,  # [rows, hidden]: f_i of each row (a chain draft's or a tree node's input feature)
+        next_embeds: torch.Tensor,  # [rows, hidden]: embed of each row's token
+        positions: torch.Tensor,  # [rows] long: each row's position
+        context: KeysValues,  # keys, values # [1, kv_heads, P, head_dim]: the cache (rotated as trained)
+        context_visible: torch.Tensor,  # [rows, P] bool: the cached positions each row sees
+        ancestors: KeysValues | None = None,  # [1, kv_heads, S, head_dim]: earlier tree rows' keys (rotated), values
+        ancestors_visible: torch.Tensor | None = None,  # [rows, S] bool: the tree rows each row sees (its ancestors)
+    ) -> tuple[torch.Tensor, KeysValues]:
+        """One drafting step for the rows of a draft tree, in ONE call # ([rows, hidden], their rotated
+        keys and values # each [rows, kv_heads, head_dim]): a chain draft (seeing the whole cache) and
+        runner-up nodes (each seeing the real rows, the chain drafts before its branch point and its
+        tree ancestors), so the head's weights are read once a step for the chain and its branches.
+        A row computes what a cached step feeding its path computes (up to rounding: other row counts)."""
+        hidden, normed, key, value = self._inputs(features[:, None], next_embeds[:, None])  # key, value: [R, kv_heads, 1, head_dim]
+        cos, sin = rotary_cos_sin(positions.float(), self.inv_freq)  # [R, head_dim]
+        cos, sin = cos[:, None, None], sin[:, None, None]  # [R, 1, 1, head_dim]
+        query, key = apply_rotary(self._query(normed), cos, sin), apply_rotary(key, cos, sin)
+        own, own_visible = (key, value), None
+        if ancestors is not None and ancestors[0].shape[2]:
+            rows = len(features)
+            own = tuple(torch.cat((part.expand(rows, -1, -1, -1), mine), dim=2) for part, mine in zip(ancestors, (key, value)))
+            own_visible = torch.cat((ancestors_visible, torch.ones(rows, 1, dtype=torch.bool)), dim=1)[:, None, None, :]
+        attended = shared_prefix_attention(query, context, context_visible[:, None, None, :], own, causal=False, own_visible=own_visible)
+        return self._finish(hidden, attended)[:, 0], (key[:, :, 0], value[:, :, 0])
+
     def unrolled(
         self,
         features: torch.Tensor,  # [batch, n, hidden]: real f_i
