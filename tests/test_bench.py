@@ -239,14 +239,11 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert bench_methods.build_method("eagle:head=1", model, None, gamma=3, eagle_head=other).decoder.drafter.head is other
     with pytest.raises(ValueError, match=r"'eagle:head=3' picks EAGLE head 3, but the run has 2 \(repeat --eagle-head"):
         bench_methods.build_method("eagle:head=3", model, None, gamma=3, eagle_head=heads)
-    # Deeper EAGLE trees where trees are on (TREE_EXPAND runner-up paths drafted on), :expand=N to set it.
-    from verispec.drafters.eagle.tree import TREE_EXPAND
-
-    assert TREE_EXPAND == 2
-    assert bench_methods.build_method("ngram+eagle-adaptive:tree=8", model, None, gamma=3, eagle_head=eagle).decoder.drafter.fallback.expand == TREE_EXPAND
-    assert bench_methods.build_method("eagle:tree=8:expand=0", model, None, gamma=3, eagle_head=eagle).decoder.drafter.expand == 0
+    # Deeper EAGLE trees only where a method asks (:expand=N, with trees): one-level by default.
+    assert bench_methods.build_method("ngram+eagle-adaptive:tree=8", model, None, gamma=3, eagle_head=eagle).decoder.drafter.fallback.expand == 0
+    assert bench_methods.build_method("ngram+eagle-adaptive:tree=8:expand=2", model, None, gamma=3, eagle_head=eagle).decoder.drafter.fallback.expand == 2
     assert bench_methods.build_method("eagle:tree=8:expand=4", model, None, gamma=3, eagle_head=eagle).decoder.drafter.expand == 4
-    assert bench_methods.build_method("eagle", model, None, gamma=3, eagle_head=eagle).decoder.drafter.expand == 0  # chains: nothing to expand
+    assert bench_methods.build_method("eagle:expand=2", model, None, gamma=3, eagle_head=eagle).decoder.drafter.expand == 0  # chains: nothing to expand
     with pytest.raises(ValueError, match="expand applies to eagle"):
         bench_methods.parse_variant("draft-model:expand=2")
     assert bench_methods.eagle_heads_needed(["plain", "draft-model"]) == 0
@@ -273,7 +270,7 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert (switch.short.fallback.path_confidence, switch.short.fallback.alternatives) == (STREAM_PATH_CONFIDENCE, 0)
     assert switch.long.fallback.path_confidence == EAGLE_PATH_CONFIDENCE and switch.long.fallback.far_memory.mode == "auto"
     assert switch.long.fallback.alternatives == 2 and auto.decoder.tree_rows == 8 and auto.decoder.tree_max_context == LONG_CONTEXT_TREE_LIMIT
-    assert switch.long.fallback.expand == TREE_EXPAND
+    assert switch.long.fallback.expand == 0
     assert auto.decoder.gamma == STREAM_GAMMA and auto.decoder._gamma_controller is not None
     assert bench_methods.build_method("auto", model, model, gamma=4, eagle_head=eagle).decoder.tree_rows == 0
     assert bench_methods.build_method("ngram+eagle:tree=8", model, None, gamma=4, eagle_head=eagle).decoder.tree_max_context is None  # the others: trees at every length

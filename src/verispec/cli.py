@@ -488,14 +488,10 @@ def _load_target_and_drafter(args: argparse.Namespace):  # noqa: ANN202 - (Loade
         from verispec.drafters.eagle import EagleDrafter
         from verispec.drafters.draft_model import tree_alternatives
         from verispec.drafters.eagle.drafter import EAGLE_PATH_CONFIDENCE
-        from verispec.drafters.eagle.tree import TREE_EXPAND
         from verispec.far_memory_cli import far_memory_from_args
 
         alternatives = tree_alternatives(getattr(args, "tree_rows", 0))
-        drafter = EagleDrafter(
-            target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args), path_confidence=EAGLE_PATH_CONFIDENCE,
-            alternatives=alternatives, expand=TREE_EXPAND if alternatives else 0,
-        )  # fmt: skip
+        drafter = EagleDrafter(target, eagle_head, quantize=args.draft_quantize == "int8", far_memory=far_memory_from_args(args), path_confidence=EAGLE_PATH_CONFIDENCE, alternatives=alternatives)
         if args.drafter in ("ngram+eagle", "auto"):
             drafter = lookup_then_model(drafter)
         if args.drafter == "auto":

@@ -17,7 +17,6 @@ import torch
 
 from verispec.drafters.by_length import DEFAULT_LONG_PROMPT
 from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
-from verispec.drafters.eagle.tree import TREE_EXPAND
 from verispec.drafters.far_memory import ATTENTION_MODES, FarMemoryConfig
 from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
 from verispec.engine.decoder import LONG_CONTEXT_TREE_LIMIT
@@ -115,7 +114,7 @@ _OPTIONS = {
                       lambda v: v in (0, 1), lambda base: METHODS[base].family == "ours", "our methods"),
     "tree": _Option("greedy verification passes of up to N rows, the spare ones filled with the draft model's, EAGLE head's or parallel head's runner-up tokens (a one-level draft tree); 0 = chains only (the run's --tree-rows otherwise)",
                     int, lambda v: v >= 0, lambda base: base in _TREE_METHODS, ", ".join(_TREE_METHODS)),
-    "expand": _Option("EAGLE head with draft trees: runner-up paths drafted on per draft step, in the chain's head call, their next tokens offered as deeper tree nodes; 0 = one-level trees (default with trees: 2)",
+    "expand": _Option("EAGLE head with draft trees: runner-up paths drafted on per draft step, in the chain's head call, their next tokens offered as deeper tree nodes; 0 = one-level trees (the default: deeper ones measured no faster here)",
                       int, lambda v: v >= 0, lambda base: base in _EAGLE_METHODS, ", ".join(_EAGLE_METHODS)),
     "dhead": _Option("draft model: 1 = greedy draft steps read the LM head through its 4-bit screen, 0 = the int8 head (the run's --draft-greedy-head otherwise)", int,
                      lambda v: v in (0, 1), lambda base: base in _DRAFT_MODEL_METHODS, ", ".join(_DRAFT_MODEL_METHODS)),
@@ -406,7 +405,7 @@ def build_method(
         settings = replace(far_memory or FarMemoryConfig(), mode=mode) if mode is not None else None
         drafter = EagleDrafter(
             target, eagle_head, quantize=head_quantize, far_memory=settings, path_confidence=variant.path, alternatives=tree_alternatives(tree_rows),
-            expand=(variant.expand if variant.expand is not None else TREE_EXPAND) if tree_rows else 0,
+            expand=(variant.expand or 0) if tree_rows else 0,
         )  # fmt: skip
         if name.startswith("ngram+"):
             drafter = lookup_then_model(drafter)
@@ -454,10 +453,7 @@ def _auto_drafter(target: Any, draft: Any, eagle_head: Any | None, head_quantize
         raise ValueError("method 'auto' needs an EAGLE head for its long prompts (--eagle-head PATH, or the bundled head)")
     model_drafter = replace(settings, path_confidence=STREAM_PATH_CONFIDENCE, alternatives=0).build(draft, name=draft.name)
     attention = replace(far_memory or FarMemoryConfig(), mode="auto")
-    head = EagleDrafter(
-        target, eagle_head, quantize=head_quantize, far_memory=attention, path_confidence=EAGLE_PATH_CONFIDENCE, alternatives=tree_alternatives(tree_rows),
-        expand=TREE_EXPAND if tree_rows else 0,
-    )  # fmt: skip
+    head = EagleDrafter(target, eagle_head, quantize=head_quantize, far_memory=attention, path_confidence=EAGLE_PATH_CONFIDENCE, alternatives=tree_alternatives(tree_rows))
     return LengthSwitchDrafter(lookup_then_model(model_drafter), lookup_then_model(head), DEFAULT_LONG_PROMPT), model_drafter
 
 

@@ -26,12 +26,6 @@ from verispec.drafters.draft_model import pick_draft, round_stops, runner_ups
 from verispec.sampling import logits_to_probs
 
 
-# Runner-up paths an EAGLE head drafts on per step wherever it offers runner-ups for trees
-# (`generate`/`compare` with --tree-rows, bench's ``:tree=N``): on HumanEval x8 with lookup and
-# 8-row trees τ 3.26 -> 3.31 with 2 (3.29 with 4), README, Performance, 2026-12-07 (morning).
-TREE_EXPAND = 2
-
-
 @dataclass
 class _Node:
     """A tree node not drafted on yet (a runner-up beside the chain, or a continuation of one)."""
