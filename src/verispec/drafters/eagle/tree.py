@@ -18,12 +18,16 @@ another step, so no path is longer than the chain: a pass still emits 1..γ+1 to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from verispec.drafters.base import Proposal
 from verispec.drafters.draft_model import pick_draft, round_stops, runner_ups
-from verispec.sampling import logits_to_probs
+from verispec.sampling import SamplingParams, logits_to_probs
+
+if TYPE_CHECKING:  # the drafter imports this module
+    from verispec.drafters.eagle.drafter import EagleSession
 
 
 @dataclass
@@ -67,7 +71,7 @@ class RunnerUpPaths:
         self.values += list(values)
         return slots
 
-    def grow(self, nodes: list[_Node], slots: list[int], features: torch.Tensor, logits: torch.Tensor, sampling, vocab_ids: torch.Tensor | None) -> None:  # noqa: ANN001 - SamplingParams
+    def grow(self, nodes: list[_Node], slots: list[int], features: torch.Tensor, logits: torch.Tensor, sampling: SamplingParams, vocab_ids: torch.Tensor | None) -> None:
         """Each fed node's best ``children`` next tokens (features, logits # [n, hidden], [n, draft_vocab]:
         the head's predictions after the nodes) become continuations and frontier nodes."""
         for node, slot, feature, row_logits in zip(nodes, slots, features, logits):
@@ -93,7 +97,7 @@ class RunnerUpPaths:
 
 
 @torch.inference_mode()
-def draft_with_tree(session, max_tokens: int, generator: torch.Generator, passes: int) -> Proposal:  # noqa: ANN001 - an EagleSession
+def draft_with_tree(session: "EagleSession", max_tokens: int, generator: torch.Generator, passes: int) -> Proposal:
     """A lone session's round (its catch-up done, ``passes`` head calls so far) as
     ``_draft_in_lockstep`` drafts it — the same chain rule, runner-ups and stop rule — with each
     chain step's head call also drafting on the best runner-up paths (module docstring)."""
