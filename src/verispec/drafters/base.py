@@ -52,13 +52,20 @@ class Proposal:
             raise ValueError(f"Proposal.probs has {self.probs.shape[0]} rows for {len(self.tokens)} tokens")
         if any(not 0 <= index < len(self.tokens) or token == self.tokens[index] for index, token, _ in self.alternatives):
             raise ValueError("Proposal.alternatives must name draft indices in range, each with a token other than the draft's")
-        reach = [index for index, _, _ in self.alternatives]  # per node: the draft index its path ends beside
         siblings: set[tuple[int, int]] = set()
         for number, (parent, token, _) in enumerate(self.continuations):
-            if not 0 <= parent < len(reach) or reach[parent] + 1 >= len(self.tokens) or (parent, token) in siblings:
+            if not 0 <= parent < len(self.alternatives) + number or (parent, token) in siblings:
                 raise ValueError("Proposal.continuations must name earlier nodes, one token each, and stay as short as the chain")
             siblings.add((parent, token))
+        if any(reach >= len(self.tokens) for reach in self.node_reach()):
+            raise ValueError("Proposal.continuations must name earlier nodes, one token each, and stay as short as the chain")
+
+    def node_reach(self) -> list[int]:
+        """Per tree node (alternatives, then continuations): the draft index its path ends beside."""
+        reach = [index for index, _, _ in self.alternatives]
+        for parent, _, _ in self.continuations:
             reach.append(reach[parent] + 1)
+        return reach
 
 
 def unseen_context_rows(context: DraftContext, num_seen: int, drafter_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -391,7 +391,7 @@ def checked_proposal(proposal: Proposal, max_tokens: int, vocab_size: int, draft
     keep = in_vocab.index(False) if not all(in_vocab) else len(in_vocab)
     # Tree nodes stay while their token is the target's, their parent stays and their path is no
     # longer than the kept chain (a node's reach: the draft index its path ends beside).
-    reach = [index for index, _, _ in proposal.alternatives] + [-1] * len(proposal.continuations)
+    reach = proposal.node_reach()
     renumbered: dict[int, int] = {}
     for number, (index, token, _) in enumerate(proposal.alternatives):
         if index < keep and 0 <= token < vocab_size:
@@ -399,7 +399,6 @@ def checked_proposal(proposal: Proposal, max_tokens: int, vocab_size: int, draft
     alternatives = [proposal.alternatives[number] for number in renumbered]
     continuations = []
     for number, (parent, token, score) in enumerate(proposal.continuations, start=len(proposal.alternatives)):
-        reach[number] = reach[parent] + 1
         if parent in renumbered and reach[number] < keep and 0 <= token < vocab_size:
             renumbered[number] = len(renumbered)
             continuations.append((renumbered[parent], token, score))

@@ -179,15 +179,14 @@ def _draft_in_lockstep(sessions: list[EagleSession], contexts: list[DraftContext
     drafter, head = sessions[0].drafter, sessions[0].drafter.head
     passes = _catch_up_many(sessions, contexts)
     lone = sessions[0]
-    if len(sessions) == 1 and drafter.expand and drafter.alternatives and max_tokens[0] > 0 and (lone.far_memory is None or not lone.far_memory.changes_attention):
-        if lone.next_feature is not None and lone.num_real == len(contexts[0].token_ids) - 1:
+    if len(sessions) == 1 and drafter.expand and drafter.alternatives and max_tokens[0] > 0 and _ready(lone, contexts[0]):
+        if lone.far_memory is None or not lone.far_memory.changes_attention:
             return [draft_with_tree(lone, max_tokens[0], generators[0], passes[0])]
     tokens: list[list[int]] = [[] for _ in sessions]
     step_probs: list[list[torch.Tensor]] = [[] for _ in sessions]
     alternatives: list[list[tuple[int, int, float]]] = [[] for _ in sessions]  # (draft index, runner-up, the head's probability of the path to it)
     path_probs = [1.0] * len(sessions)  # the head's probability of each round's drafts so far
-    # A session drafts once the head has read every real feature (not yet: a 1-token prompt).
-    drafting = [i for i, (session, context) in enumerate(zip(sessions, contexts)) if max_tokens[i] > 0 and session.next_feature is not None and session.num_real == len(context.token_ids) - 1]
+    drafting = [i for i, (session, context) in enumerate(zip(sessions, contexts)) if max_tokens[i] > 0 and _ready(session, context)]
     features = torch.stack([sessions[i].next_feature for i in drafting]) if drafting else None  # [drafting, hidden]
     needs_prob = drafter.path_confidence is not None or bool(drafter.alternatives)  # greedy: the stop rule and the runner-ups' path scores read it
     while drafting:
@@ -221,6 +220,11 @@ def _draft_in_lockstep(sessions: list[EagleSession], contexts: list[DraftContext
         probs = torch.stack(step_probs[index]) if step_probs[index] else None
         proposals.append(Proposal(tokens=tokens[index], probs=probs, num_forward_passes=passes[index], alternatives=alternatives[index]))
     return proposals
+
+
+def _ready(session: EagleSession, context: DraftContext) -> bool:
+    """Whether a session can draft: once the head has read every real feature (not yet: a 1-token prompt)."""
+    return session.next_feature is not None and session.num_real == len(context.token_ids) - 1
 
 
 def _catch_up_many(sessions: list[EagleSession], contexts: list[DraftContext]) -> list[int]:

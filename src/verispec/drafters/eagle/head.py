@@ -226,10 +226,7 @@ class EagleHead(nn.Module):
         correction scores every candidate's successor this way, in one call). The cache comes
         from :meth:`forward` with the same ``far_memory`` (keys rotated as trained, or unrotated).
         """
-        hidden, normed, key, value = self._inputs(features[:, None], next_embeds[:, None])  # key, value: [R, kv_heads, 1, head_dim]
-        cos, sin = rotary_cos_sin(positions.float(), self.inv_freq)  # [R, head_dim]
-        cos, sin = cos[:, None, None], sin[:, None, None]  # [R, 1, 1, head_dim]
-        query, key = self._query(normed), apply_rotary(key, cos, sin)
+        hidden, query, (key, value), (cos, sin) = self._rows_at(features, next_embeds, positions)
         visible = None if context_visible is None else context_visible[:, None, None, :]
         if far_memory is not None and far_memory.changes_attention:
             rows = FarMemoryRows(far_memory, positions[:, None], self.inv_freq)
@@ -253,10 +250,8 @@ class EagleHead(nn.Module):
         runner-up nodes (each seeing the real rows, the chain drafts before its branch point and its
         tree ancestors), so the head's weights are read once a step for the chain and its branches.
         A row computes what a cached step feeding its path computes (up to rounding: other row counts)."""
-        hidden, normed, key, value = self._inputs(features[:, None], next_embeds[:, None])  # key, value: [R, kv_heads, 1, head_dim]
-        cos, sin = rotary_cos_sin(positions.float(), self.inv_freq)  # [R, head_dim]
-        cos, sin = cos[:, None, None], sin[:, None, None]  # [R, 1, 1, head_dim]
-        query, key = apply_rotary(self._query(normed), cos, sin), apply_rotary(key, cos, sin)
+        hidden, query, (key, value), (cos, sin) = self._rows_at(features, next_embeds, positions)
+        query = apply_rotary(query, cos, sin)
         own, own_visible = (key, value), None
         if ancestors is not None and ancestors[0].shape[2]:
             rows = len(features)
@@ -299,6 +294,15 @@ class EagleHead(nn.Module):
             outputs.append(self._finish(hidden, context))
             inputs = torch.cat((features[:, :1], outputs[-1][:, :-1]), dim=1)  # row i reads f̂_i; row 0 has none (ignored)
         return outputs
+
+    def _rows_at(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """One-row steps of R rows (features, next_embeds # [R, hidden]) at ``positions`` # [R]: hidden
+        # [R, 1, hidden], the UNrotated query # [R, heads, 1, head_dim], the key rotated at each row's
+        position and the value # [R, kv_heads, 1, head_dim], and that rotation's cos, sin # [R, 1, 1, head_dim]."""
+        hidden, normed, key, value = self._inputs(features[:, None], next_embeds[:, None])
+        cos, sin = rotary_cos_sin(positions.float(), self.inv_freq)  # [R, head_dim]
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        return hidden, self._query(normed), (apply_rotary(key, cos, sin), value), (cos, sin)
 
     def _inputs(self, features: torch.Tensor, next_embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(hidden and its normed form # [batch, n, hidden], unrotated key and value
