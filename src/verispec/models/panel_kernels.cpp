@@ -71,51 +71,57 @@ static inline __attribute__((always_inline)) __m256 load_weights(const void* pan
   return _mm256_loadu_ps((const float*)panel + k * PANEL);
 }
 
-// ROWS rows of x against one panel. SETS independent accumulator sets over k, so that at least ~8
-// FMA dependency chains are in flight (one chain per row would wait on the FMA latency).
-template <int ROWS, int SETS, bool INT8>
+// ROWS rows of x against one panel, one accumulator (one chain of FMAs over k) per row: each row's
+// sum is then the same chain whether it is computed alone or beside up to 11 others, so a
+// verification pass gives bit for bit what a 1-token step gives (the prefix cache and branch rows
+// rely on it). More chains for few rows (8 for 1 row, as this kernel had until 2026-12-04) summed k
+// in a row-count-dependent order.
+//
+// The sums are named registers stored one by one: written as an array with a store loop (which
+// gcc turns into a copy of the array), gcc 12 kept the array on the stack too and stored every accumulator
+// to it on every k (12 stores beside 12 FMAs), which capped a 12-row product at ~0.6 FMA per cycle
+// on a Zen 3 EPYC (2026-12-07: 59 GFLOP/s on 2 cores, 8 rows costing 1.65x 1 row).
+template <int ROWS, bool INT8>
 static inline __attribute__((always_inline)) void panel_rows(const float* x, int64_t K, const void* panel, float* out) {
-  __m256 acc[SETS][ROWS];
-  for (int s = 0; s < SETS; ++s)
-    for (int m = 0; m < ROWS; ++m) acc[s][m] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + SETS <= K; k += SETS) {
-    for (int s = 0; s < SETS; ++s) {
-      const __m256 w = load_weights<INT8>(panel, k + s);
-      for (int m = 0; m < ROWS; ++m) acc[s][m] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + m * K + k + s), acc[s][m]);
-    }
-  }
-  for (; k < K; ++k) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+  for (int64_t k = 0; k < K; ++k) {
     const __m256 w = load_weights<INT8>(panel, k);
-    for (int m = 0; m < ROWS; ++m) acc[0][m] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + m * K + k), acc[0][m]);
+    const float* xk = x + k;
+#define ROW_FMA(m, acc) \
+  if (ROWS > m) acc = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xk + m * K), acc);
+    ROW_FMA(0, a0) ROW_FMA(1, a1) ROW_FMA(2, a2) ROW_FMA(3, a3) ROW_FMA(4, a4) ROW_FMA(5, a5)
+    ROW_FMA(6, a6) ROW_FMA(7, a7) ROW_FMA(8, a8) ROW_FMA(9, a9) ROW_FMA(10, a10) ROW_FMA(11, a11)
+#undef ROW_FMA
   }
-  for (int m = 0; m < ROWS; ++m) {
-    __m256 sum = acc[0][m];
-    for (int s = 1; s < SETS; ++s) sum = _mm256_add_ps(sum, acc[s][m]);
-    _mm256_storeu_ps(out + m * PANEL, sum);
+#define ROW_STORE(m, acc) \
+  if (ROWS > m) _mm256_storeu_ps(out + m * PANEL, acc);
+  ROW_STORE(0, a0) ROW_STORE(1, a1) ROW_STORE(2, a2) ROW_STORE(3, a3) ROW_STORE(4, a4) ROW_STORE(5, a5)
+  ROW_STORE(6, a6) ROW_STORE(7, a7) ROW_STORE(8, a8) ROW_STORE(9, a9) ROW_STORE(10, a10) ROW_STORE(11, a11)
+#undef ROW_STORE
+}
+
+// kernel(std::integral_constant<int, ROWS>) for rows 1..12 (12 for more): one instantiation per row count.
+template <typename Kernel>
+static inline void with_rows(int rows, Kernel kernel) {
+  switch (rows) {
+    case 1: kernel(std::integral_constant<int, 1>()); break;
+    case 2: kernel(std::integral_constant<int, 2>()); break;
+    case 3: kernel(std::integral_constant<int, 3>()); break;
+    case 4: kernel(std::integral_constant<int, 4>()); break;
+    case 5: kernel(std::integral_constant<int, 5>()); break;
+    case 6: kernel(std::integral_constant<int, 6>()); break;
+    case 7: kernel(std::integral_constant<int, 7>()); break;
+    case 8: kernel(std::integral_constant<int, 8>()); break;
+    case 9: kernel(std::integral_constant<int, 9>()); break;
+    case 10: kernel(std::integral_constant<int, 10>()); break;
+    case 11: kernel(std::integral_constant<int, 11>()); break;
+    default: kernel(std::integral_constant<int, 12>()); break;
   }
 }
 
-// One accumulator set for every row count: each row's sum is then the same chain of FMAs over k
-// whether it is computed alone or beside up to 11 others, so a verification pass gives bit for
-// bit what a 1-token step gives (the prefix cache and branch rows rely on it). More sets for few
-// rows (8 for 1 row, as this kernel had until 2026-12-04) summed k in a row-count-dependent order.
 template <bool INT8>
 static void chunk_rows(int rows, const float* x, int64_t K, const void* panel, float* out) {
-  switch (rows) {
-    case 1: panel_rows<1, 1, INT8>(x, K, panel, out); break;
-    case 2: panel_rows<2, 1, INT8>(x, K, panel, out); break;
-    case 3: panel_rows<3, 1, INT8>(x, K, panel, out); break;
-    case 4: panel_rows<4, 1, INT8>(x, K, panel, out); break;
-    case 5: panel_rows<5, 1, INT8>(x, K, panel, out); break;
-    case 6: panel_rows<6, 1, INT8>(x, K, panel, out); break;
-    case 7: panel_rows<7, 1, INT8>(x, K, panel, out); break;
-    case 8: panel_rows<8, 1, INT8>(x, K, panel, out); break;
-    case 9: panel_rows<9, 1, INT8>(x, K, panel, out); break;
-    case 10: panel_rows<10, 1, INT8>(x, K, panel, out); break;
-    case 11: panel_rows<11, 1, INT8>(x, K, panel, out); break;
-    default: panel_rows<12, 1, INT8>(x, K, panel, out); break;
-  }
+  with_rows(rows, [&](auto count) { panel_rows<decltype(count)::value, INT8>(x, K, panel, out); });
 }
 
 #if defined(__AVX512F__)
@@ -162,25 +168,6 @@ static inline __attribute__((always_inline)) void wide_rows(const float* x, int6
     }
   }
   store_sums<ROWS>(acc, out);
-}
-
-// kernel(std::integral_constant<int, ROWS>) for rows 1..12 (12 for more): one instantiation per row count.
-template <typename Kernel>
-static inline void with_rows(int rows, Kernel kernel) {
-  switch (rows) {
-    case 1: kernel(std::integral_constant<int, 1>()); break;
-    case 2: kernel(std::integral_constant<int, 2>()); break;
-    case 3: kernel(std::integral_constant<int, 3>()); break;
-    case 4: kernel(std::integral_constant<int, 4>()); break;
-    case 5: kernel(std::integral_constant<int, 5>()); break;
-    case 6: kernel(std::integral_constant<int, 6>()); break;
-    case 7: kernel(std::integral_constant<int, 7>()); break;
-    case 8: kernel(std::integral_constant<int, 8>()); break;
-    case 9: kernel(std::integral_constant<int, 9>()); break;
-    case 10: kernel(std::integral_constant<int, 10>()); break;
-    case 11: kernel(std::integral_constant<int, 11>()); break;
-    default: kernel(std::integral_constant<int, 12>()); break;
-  }
 }
 
 static void f32_chunk_rows(int rows, const float* x, int64_t K, const float* panel, float* out, int64_t k0, int64_t k1) {
