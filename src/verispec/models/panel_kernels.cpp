@@ -77,10 +77,12 @@ static inline __attribute__((always_inline)) __m256 load_weights(const void* pan
 // rely on it). More chains for few rows (8 for 1 row, as this kernel had until 2026-12-04) summed k
 // in a row-count-dependent order.
 //
-// The sums are named registers stored one by one: written as an array with a store loop (which
-// gcc turns into a copy of the array), gcc 12 kept the array on the stack too and stored every accumulator
-// to it on every k (12 stores beside 12 FMAs), which capped a 12-row product at ~0.6 FMA per cycle
-// on a Zen 3 EPYC (2026-12-07: 59 GFLOP/s on 2 cores, 8 rows costing 1.65x 1 row).
+// The sums are named registers stored one by one. Written as an array with a store loop (which gcc
+// turns into a copy of the array), gcc 12 kept the array on the stack too and stored every sum to it
+// on every k (12 stores beside 12 FMAs): ~0.6 FMA a cycle for a 12-row product on a Zen 3 EPYC
+// (2026-12-07: 59 GFLOP/s on 2 cores, 8 rows costing 1.65x 1 row). vnni_rows below is still written
+// the array way; built for AVX-VNNI without AVX-512 its k loops show such stores too (not measured:
+// no VNNI CPU at hand).
 template <int ROWS, bool INT8>
 static inline __attribute__((always_inline)) void panel_rows(const float* x, int64_t K, const void* panel, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
