@@ -41,7 +41,7 @@ def test_float32_layers_pack_as_wide_as_the_kernels_built_here():
     layer = PanelLinear(torch.nn.Linear(16, 40))
     width = f32_panel_width()
     cpu_flags = Path("/proc/cpuinfo").read_text()
-    assert width == (32 if " avx512f" in cpu_flags and not os.environ.get("VERISPEC_NO_AVX512") else 8)
+    assert width == (32 if " avx512f" in cpu_flags and not os.environ.get("VERISPEC_NO_AVX512") else 16)
     assert layer.packed.shape == (-(-40 // width), 16, width)
 
 
@@ -304,7 +304,7 @@ from verispec.models import quantize_int8
 from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, bf16_kernels_available, pack_bf16_panels, PanelLinear, f32_panel_width, int8_uses_vnni
 from verispec.engine.lean_lm import LeanDecoder, LeanLM
 from tiny_models import tiny_target
-assert not int8_uses_vnni() and f32_panel_width() == 8
+assert not int8_uses_vnni() and f32_panel_width() == 16
 torch.manual_seed(0)
 linear = torch.nn.Linear(67, 45)
 def one_by_one(layer, x):

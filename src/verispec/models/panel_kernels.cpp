@@ -41,15 +41,18 @@
 #define PANEL 8  // int8 panels, and float32 ones without AVX-512
 #define MAX_CHUNK_ROWS 12
 #define PREFETCH_BYTES 8192
-// F32_K_BLOCK: k steps per block when two row chunks share a panel pass (16 KB of panel); only the
-// float32 AVX-512 kernel continues sums across k blocks, the others take the whole k range (0).
+// float32 panels are two vectors wide (F32_PANEL columns) and take up to F32_MAX_ROWS rows a chunk
+// (two accumulators a row, the weights and a broadcast in the registers); F32_K_BLOCK: k steps per
+// block when two row chunks share a panel pass (16 KB of panel); only the float32 kernel continues
+// sums across k blocks, the others take the whole k range (0).
 #if defined(__AVX512F__)
 #define F32_PANEL 32
-#define F32_K_BLOCK 128
+#define F32_MAX_ROWS 12
 #else
-#define F32_PANEL PANEL
-#define F32_K_BLOCK 0
+#define F32_PANEL 16
+#define F32_MAX_ROWS 6
 #endif
+#define F32_K_BLOCK (16384 / (F32_PANEL * 4))
 #define MAX_VNNI_CHUNK_ROWS 8
 
 #if defined(__AVXVNNI__)
@@ -62,16 +65,13 @@ static inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm25
 #define VNNI 0
 #endif
 
-template <bool INT8>
-static inline __attribute__((always_inline)) __m256 load_weights(const void* panel, int64_t k) {
-  if (INT8) {
-    const __m128i bytes = _mm_loadl_epi64((const __m128i*)((const int8_t*)panel + k * PANEL));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-  }
-  return _mm256_loadu_ps((const float*)panel + k * PANEL);
+// An int8 panel's 8 weights at k, as floats.
+static inline __attribute__((always_inline)) __m256 load_int8_weights(const int8_t* panel, int64_t k) {
+  const __m128i bytes = _mm_loadl_epi64((const __m128i*)(panel + k * PANEL));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
-// ROWS rows of x against one panel, one accumulator (one chain of FMAs over k) per row: each row's
+// ROWS rows of x against one int8 panel (float32 panels take wide_rows below), one accumulator (one chain of FMAs over k) per row: each row's
 // sum is then the same chain whether it is computed alone or beside up to 11 others, so a
 // verification pass gives bit for bit what a 1-token step gives (the prefix cache and branch rows
 // rely on it). More chains for few rows (8 for 1 row, as this kernel had until 2026-12-04) summed k
@@ -79,15 +79,15 @@ static inline __attribute__((always_inline)) __m256 load_weights(const void* pan
 //
 // The sums are named registers stored one by one. Written as an array with a store loop (which gcc
 // turns into a copy of the array), gcc 12 kept the array on the stack too and stored every sum to it
-// on every k (12 stores beside 12 FMAs): ~0.6 FMA a cycle for a 12-row product on a Zen 3 EPYC
-// (2026-12-07: 59 GFLOP/s on 2 cores, 8 rows costing 1.65x 1 row). vnni_rows below is still written
-// the array way; built for AVX-VNNI without AVX-512 its k loops show such stores too (not measured:
-// no VNNI CPU at hand).
-template <int ROWS, bool INT8>
-static inline __attribute__((always_inline)) void panel_rows(const float* x, int64_t K, const void* panel, float* out) {
+// on every k (12 stores beside 12 FMAs): ~0.6 FMA a cycle for a 12-row float32 product on a Zen 3
+// EPYC (2026-12-07: 59 GFLOP/s on 2 cores, 8 rows costing 1.65x 1 row; float32 panels went through
+// this kernel then). vnni_rows below is still written the array way; built for AVX-VNNI without
+// AVX-512 its k loops show such stores too (not measured: no VNNI CPU at hand).
+template <int ROWS>
+static inline __attribute__((always_inline)) void panel_rows(const float* x, int64_t K, const int8_t* panel, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 w = load_weights<INT8>(panel, k);
+    const __m256 w = load_int8_weights(panel, k);
     const float* xk = x + k;
 #define ROW_FMA(m, acc) \
   if (ROWS > m) acc = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xk + m * K), acc);
@@ -121,65 +121,89 @@ static inline void with_rows(int rows, Kernel kernel) {
   }
 }
 
-template <bool INT8>
-static void chunk_rows(int rows, const float* x, int64_t K, const void* panel, float* out) {
-  with_rows(rows, [&](auto count) { panel_rows<decltype(count)::value, INT8>(x, K, panel, out); });
+static void chunk_rows(int rows, const float* x, int64_t K, const int8_t* panel, float* out) {
+  with_rows(rows, [&](auto count) { panel_rows<decltype(count)::value>(x, K, panel, out); });
 }
 
+// The float32 vector: 16 lanes with AVX-512, else 8 (what wide_rows below is written in).
 #if defined(__AVX512F__)
-// ROWS rows of x against one 32-column float32 panel: two zmm per k, one accumulator chain per
-// row and half-panel. Two chains already cover the FMA latency at memory speed (128 bytes per 4
+struct F32Vector {
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V broadcast(float value) { return _mm512_set1_ps(value); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#else
+struct F32Vector {
+  using V = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V broadcast(float value) { return _mm256_set1_ps(value); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+#define F32_HALF (F32_PANEL / 2)
+
+// ROWS rows of x against one float32 panel of two vectors: one accumulator chain per row and
+// half-panel. Two chains already cover the FMA latency at memory speed (AVX-512: 128 bytes per 4
 // cycles), and one chain per output makes every row's sum the same sequence of operations
 // whatever the number of rows: a verification pass gives bit for bit the products a 1-token step
 // gives. Each 64-byte line of the panel is prefetched into L2 PREFETCH_BYTES ahead (prefetches
 // past the end of the weight are harmless: they never fault).
 //
+// Without AVX-512 the panels were one vector (8 columns) wide, up to 12 rows a chunk, until
+// 2026-12-07: each k then loaded 32 bytes of weights beside one broadcast of x per row, so an
+// 8-row pass read as many bytes of x as of weights (x's rows from L2 for every panel). On a Zen 4
+// EPYC without AVX-512 a 1.5B-target pass over 8 rows cost 2x a 1-row pass at 300 cached tokens.
+// Two vectors a k halve the broadcasts per weight; 16 registers hold the sums of 6 rows, so more
+// rows go in chunks of at most 6, two chunks at a time per k block (for_panel_chunks), the block
+// read from L1 by the second. Every output's chain of FMAs is what it was: the sums are too.
+//
 // k0..k1: one block of the k range; a block after the first continues the sums left in out, so a
 // product split into k blocks performs every output's chain of FMAs exactly as one pass does.
-// A 32-column panel's sums for ROWS rows, two zmm a row: zero at the first k block, else continued
-// from what the previous block left in out [ROWS][32]; and stored back there.
+// A panel's sums for ROWS rows, two vectors a row: zero at the first k block, else continued from
+// what the previous block left in out [ROWS][F32_PANEL]; and stored back there.
 template <int ROWS>
-static inline __attribute__((always_inline)) void start_sums(__m512 (&acc)[2][ROWS], const float* out, int64_t k0) {
+static inline __attribute__((always_inline)) void start_sums(F32Vector::V (&acc)[2][ROWS], const float* out, int64_t k0) {
   for (int m = 0; m < ROWS; ++m) {
-    acc[0][m] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * F32_PANEL);
-    acc[1][m] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * F32_PANEL + 16);
+    acc[0][m] = k0 == 0 ? F32Vector::zero() : F32Vector::load(out + m * F32_PANEL);
+    acc[1][m] = k0 == 0 ? F32Vector::zero() : F32Vector::load(out + m * F32_PANEL + F32_HALF);
   }
 }
 
 template <int ROWS>
-static inline __attribute__((always_inline)) void store_sums(const __m512 (&acc)[2][ROWS], float* out) {
+static inline __attribute__((always_inline)) void store_sums(const F32Vector::V (&acc)[2][ROWS], float* out) {
   for (int m = 0; m < ROWS; ++m) {
-    _mm512_storeu_ps(out + m * F32_PANEL, acc[0][m]);
-    _mm512_storeu_ps(out + m * F32_PANEL + 16, acc[1][m]);
+    F32Vector::store(out + m * F32_PANEL, acc[0][m]);
+    F32Vector::store(out + m * F32_PANEL + F32_HALF, acc[1][m]);
   }
 }
 
 template <int ROWS>
 static inline __attribute__((always_inline)) void wide_rows(const float* x, int64_t K, const float* panel, float* out, int64_t k0, int64_t k1) {
-  __m512 acc[2][ROWS];
+  F32Vector::V acc[2][ROWS];
   start_sums<ROWS>(acc, out, k0);
   for (int64_t k = k0; k < k1; ++k) {
     const float* line = panel + k * F32_PANEL;
-    _mm_prefetch((const char*)line + PREFETCH_BYTES, _MM_HINT_T2);
-    _mm_prefetch((const char*)line + PREFETCH_BYTES + 64, _MM_HINT_T2);
-    const __m512 w0 = _mm512_loadu_ps(line), w1 = _mm512_loadu_ps(line + 16);
+    for (int byte = 0; byte < F32_PANEL * 4; byte += 64) _mm_prefetch((const char*)line + PREFETCH_BYTES + byte, _MM_HINT_T2);
+    const F32Vector::V w0 = F32Vector::load(line), w1 = F32Vector::load(line + F32_HALF);
     for (int m = 0; m < ROWS; ++m) {
-      const __m512 b = _mm512_set1_ps(x[m * K + k]);
-      acc[0][m] = _mm512_fmadd_ps(w0, b, acc[0][m]);
-      acc[1][m] = _mm512_fmadd_ps(w1, b, acc[1][m]);
+      const F32Vector::V b = F32Vector::broadcast(x[m * K + k]);
+      acc[0][m] = F32Vector::fma(w0, b, acc[0][m]);
+      acc[1][m] = F32Vector::fma(w1, b, acc[1][m]);
     }
   }
   store_sums<ROWS>(acc, out);
 }
 
 static void f32_chunk_rows(int rows, const float* x, int64_t K, const float* panel, float* out, int64_t k0, int64_t k1) {
-  with_rows(rows, [&](auto count) { wide_rows<decltype(count)::value>(x, K, panel, out, k0, k1); });
+  with_rows(rows, [&](auto count) {
+    if constexpr (decltype(count)::value <= F32_MAX_ROWS) wide_rows<decltype(count)::value>(x, K, panel, out, k0, k1);
+  });
 }
-#else
-static void f32_chunk_rows(int rows, const float* x, int64_t K, const float* panel, float* out, int64_t, int64_t) {
-  chunk_rows<false>(rows, x, K, panel, out);
-}
-#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BF16 1
@@ -622,14 +646,14 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
 #endif
   (void)q;
   (void)x_quantized;
-  constexpr int WIDTH = INT8 ? PANEL : F32_PANEL;
+  constexpr int WIDTH = INT8 ? PANEL : F32_PANEL, MAX_ROWS = INT8 ? MAX_CHUNK_ROWS : F32_MAX_ROWS;
   const int64_t panel_bytes = K * WIDTH * (INT8 ? 1 : 4);
   constexpr int64_t K_BLOCK = INT8 ? 0 : F32_K_BLOCK;
-  for_panel_chunks<WIDTH, MAX_CHUNK_ROWS, float, ACCUMULATE, K_BLOCK>(
+  for_panel_chunks<WIDTH, MAX_ROWS, float, ACCUMULATE, K_BLOCK>(
       M, N, K, y, ldy,
       [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
         const void* panel = (const char*)w.packed + p * panel_bytes;
-        if (INT8) chunk_rows<true>(rows, x + m0 * K, K, panel, out);
+        if (INT8) chunk_rows(rows, x + m0 * K, K, (const int8_t*)panel, out);
         else f32_chunk_rows(rows, x + m0 * K, K, (const float*)panel, out, k0, k1);
       },
       [&](float entry, int64_t, int64_t n) {
@@ -901,10 +925,10 @@ static inline void weighted_values(const float* score, const float* value_rows, 
 
 // The same sums in 8-lane registers for columns first..first + 8V of the head (AVX2: 16 registers
 // hold half of a 128-wide head). Why: with a run-time column count gcc kept the accumulators in
-// memory, a load and a store beside every FMA; a 16K-position pass's attention (1.5B target, one
-// kv group of 6 query heads, one core) then cost 1.31 ms a layer for each row beyond the first
-// against 0.96 ms in registers (2026-12-07, a Zen 4 EPYC without AVX-512; 10.5 against 7.8 ms for
-// 8 rows, 1.32 against 1.03 ms for 1).
+// memory, a load and a store beside every FMA. One kv group of the 1.5B target (6 query heads) over
+// 16K positions, one core, timed alone (2026-12-07, a Zen 4 EPYC without AVX-512): 8 rows 10.5 ->
+// 7.8 ms a layer, 1 row 1.32 -> 1.03 ms. Inside 60 real 8-row passes at 16K (perf, cpu-clock) the
+// attention's share fell less, 41 -> 36 CPU-seconds.
 template <int V>
 static inline void weighted_values_avx2(const float* score, const float* value_rows, int64_t D, int64_t first, int64_t t0, int64_t t1, int64_t own,
                                         float* ctx) {
@@ -1265,7 +1289,7 @@ void verispec_panel_linear_f32_panels(const float* x, int64_t M, int64_t K, cons
                                       int64_t num_ids, float* y, int num_threads) {
   const int64_t panel_floats = K * F32_PANEL;
 #pragma omp parallel num_threads(num_threads)
-  for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, false, F32_K_BLOCK>(
+  for_panel_chunks<F32_PANEL, F32_MAX_ROWS, float, false, F32_K_BLOCK>(
       M, num_ids * F32_PANEL, K, y, num_ids * F32_PANEL,
       [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
         f32_chunk_rows(rows, x + m0 * K, K, packed + panel_ids[p] * panel_floats, out, k0, k1);
