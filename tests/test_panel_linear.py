@@ -296,8 +296,9 @@ def test_one_openmp_runtime_after_torch():
 @needs_kernels
 def test_the_avx2_paths_run_on_any_avx2_machine(tmp_path):
     # The library is built per machine: on a VNNI or AVX-512 CPU the float-converting int8 kernels and
-    # the 8-column float32 panels would never run in the tests. Build them without (VERISPEC_NO_VNNI,
-    # VERISPEC_NO_AVX512, own kernel cache) and check products and the one-call draft step in a fresh process.
+    # the 16-column (AVX2) float32 panels would never run in the tests. Build them without
+    # (VERISPEC_NO_VNNI, VERISPEC_NO_AVX512, own kernel cache) and check products and the one-call
+    # draft step in a fresh process.
     code = """
 import torch
 from verispec.models import quantize_int8

@@ -38,13 +38,13 @@
 #include <type_traits>
 #include <vector>
 
-#define PANEL 8  // int8 panels, and float32 ones without AVX-512
+#define PANEL 8  // int8 panels (float32 ones: F32_PANEL)
 #define MAX_CHUNK_ROWS 12
 #define PREFETCH_BYTES 8192
 // float32 panels are two vectors wide (F32_PANEL columns) and take up to F32_MAX_ROWS rows a chunk
 // (two accumulators a row, the weights and a broadcast in the registers); F32_K_BLOCK: k steps per
-// block when two row chunks share a panel pass (16 KB of panel); only the float32 kernel continues
-// sums across k blocks, the others take the whole k range (0).
+// block when two row chunks share a panel pass (16 KB of panel); the float32 and bfloat16 kernels
+// continue sums across k blocks, the int8 ones take the whole k range.
 #if defined(__AVX512F__)
 #define F32_PANEL 32
 #define F32_MAX_ROWS 12
@@ -71,11 +71,11 @@ static inline __attribute__((always_inline)) __m256 load_int8_weights(const int8
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
-// ROWS rows of x against one int8 panel (float32 panels take wide_rows below), one accumulator (one chain of FMAs over k) per row: each row's
-// sum is then the same chain whether it is computed alone or beside up to 11 others, so a
-// verification pass gives bit for bit what a 1-token step gives (the prefix cache and branch rows
-// rely on it). More chains for few rows (8 for 1 row, as this kernel had until 2026-12-04) summed k
-// in a row-count-dependent order.
+// ROWS rows of x against one int8 panel (float32 panels take wide_rows below), one accumulator (one
+// chain of FMAs over k) per row: each row's sum is then the same chain whether it is computed alone
+// or beside up to 11 others, so a verification pass gives bit for bit what a 1-token step gives (the
+// prefix cache and branch rows rely on it). More chains for few rows (8 for 1 row, as this kernel
+// had until 2026-12-04) summed k in a row-count-dependent order.
 //
 // The sums are named registers stored one by one. Written as an array with a store loop (which gcc
 // turns into a copy of the array), gcc 12 kept the array on the stack too and stored every sum to it
@@ -157,7 +157,8 @@ struct F32Vector {
 // Without AVX-512 the panels were one vector (8 columns) wide, up to 12 rows a chunk, until
 // 2026-12-07: each k then loaded 32 bytes of weights beside one broadcast of x per row, so an
 // 8-row pass read as many bytes of x as of weights (x's rows from L2 for every panel). On a Zen 4
-// EPYC without AVX-512 a 1.5B-target pass over 8 rows cost 2x a 1-row pass at 300 cached tokens.
+// EPYC without AVX-512 a 1.5B-target pass over 8 rows cost 2.2-2.7x a 1-row pass at 300 cached
+// tokens (now 1.1-1.45x).
 // Two vectors a k halve the broadcasts per weight; 16 registers hold the sums of 6 rows, so more
 // rows go in chunks of at most 6, two chunks at a time per k block (for_panel_chunks), the block
 // read from L1 by the second. Every output's chain of FMAs is what it was: the sums are too.
