@@ -15,16 +15,14 @@ from verispec.drafters.draft_model import DraftModelSession
 from verispec.engine import SpeculativeDecoder
 from verispec.engine.decoder import checked_proposal, pick_branches, verify_tree
 from verispec.engine.lean_lm import target_lm
-from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
+from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.sampling import SamplingParams
 
-needs_wide_kernels = pytest.mark.skipif(
-    panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32,
-    reason="bit-identical rows need the wide AVX-512 float32 kernels",
-)
+# Bit-identical rows need the panel kernels (one chain of FMAs per output, AVX-512 or AVX2).
+needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
 
-@needs_wide_kernels
+@needs_kernels
 @pytest.mark.parametrize("head_dim", [8, 128])
 def test_a_branch_row_computes_exactly_what_its_token_fed_in_the_chain_computes(head_dim):
     # Chain [x, d1..d5] plus branches standing at rows 1, 3 and 5: each branch row's logits and the
@@ -51,7 +49,7 @@ def test_a_branch_row_computes_exactly_what_its_token_fed_in_the_chain_computes(
             assert torch.equal(out.logits[len(chain) + number], want), (prompt_length, index)
 
 
-@needs_wide_kernels
+@needs_kernels
 @pytest.mark.parametrize("head_dim", [8, 128])
 def test_a_deeper_branch_row_computes_exactly_what_its_path_fed_in_the_chain_computes(head_dim):
     # Branches continuing branches: 50 beside d1 continued by 53 and then 54 (depth 2), 51 beside d3
@@ -99,7 +97,7 @@ def wide_head_target() -> Qwen2ForCausalLM:
     return model
 
 
-@needs_wide_kernels
+@needs_kernels
 def test_keep_branch_leaves_the_cache_a_chain_through_that_token_would_leave():
     model = use_panel_kernels(tiny_target())
     prompt, chain, branches = list(range(3, 17)), [40, 41, 42, 43], [(2, 60, -1), (3, 61, -1)]
@@ -256,7 +254,7 @@ def test_runner_ups_exclude_the_drafted_token_under_a_tie():
     assert alternatives[0][1] == pytest.approx(torch.softmax(torch.tensor([0.0, 5.0, 5.0, 1.0, 2.0]), -1)[2].item())
 
 
-@needs_wide_kernels
+@needs_kernels
 def test_greedy_decoding_with_draft_trees_is_token_identical_and_keeps_branches():
     # A noisy draft: its first choice is often wrong where its second is right, so branches are kept.
     target = use_panel_kernels(tiny_target())
@@ -346,7 +344,7 @@ def target():
     return tiny_target()  # test_eagle's target: its trained_head drafts for this model
 
 
-@needs_wide_kernels
+@needs_kernels
 @pytest.mark.parametrize("expand", [0, 2])
 def test_eagle_draft_trees_stay_exact_and_hand_the_head_the_kept_branch_features(target, trained_head, expand, monkeypatch):
     # A kept branch stands where the rejected draft stood: the head must then read the branch
@@ -447,7 +445,7 @@ def test_eagle_tree_continuations_are_what_the_head_predicts_after_their_path(ta
         EagleDrafter(target, trained_head, expand=-1)
 
 
-@needs_wide_kernels
+@needs_kernels
 @pytest.mark.parametrize("correction", [False, True])
 def test_parallel_draft_trees_stay_exact_and_keep_branches(target, trained_head, correction):
     from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead

@@ -15,7 +15,7 @@ from verispec.engine import SpeculativeDecoder
 from verispec.engine.cached_lm import CachedLM
 from verispec.engine.lean_lm import LeanDecoder, LeanLM, _FusedStack, lean_unsupported_reason, target_lm
 from verispec.models import quantize_int8
-from verispec.models.panel_linear import bf16_kernels_available, f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
+from verispec.models.panel_linear import bf16_kernels_available, panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.models.quantize import stacked_linear
 from verispec.sampling import SamplingParams
 
@@ -185,10 +185,9 @@ def test_a_target_on_the_panel_kernels_runs_one_call_passes_over_its_own_packed_
 
 
 @needs_kernels
-@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32, reason="the wide AVX-512 float32 kernels are not built here")
 def test_a_panel_target_verifies_rows_exactly_as_one_token_steps_compute_them():
-    # With the wide kernels every row of a pass is the same sequence of operations as a 1-token
-    # pass: the logits of a 6-token verification pass equal, bit for bit, those of 6 single steps.
+    # On the panel kernels (AVX-512 or AVX2) every row of a pass is the same sequence of operations as
+    # a 1-token pass: the logits of a 6-token verification pass equal, bit for bit, those of 6 single steps.
     model = use_panel_kernels(tiny_target())
     together, one_by_one = target_lm(model), target_lm(model)
     prompt = list(range(3, 20))
@@ -212,11 +211,11 @@ def test_speculative_decoding_of_a_panel_target_equals_its_plain_decoding():
 
 
 @needs_kernels
-@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32, reason="the wide AVX-512 float32 kernels are not built here")
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
 def test_long_context_attention_gives_each_row_what_a_one_token_step_gives(head_dim):
     # The kernel's attention walks the cache in blocks shared by every row and query head of a kv
-    # group (head sizes 64 and 128 keep a head in registers; others take the general loop). After a
+    # group (AVX-512: head sizes 64 and 128 keep a head in registers, others take the general loop;
+    # AVX2: value sums 64 columns at a time in registers, then 8 at a time: 80 takes both). After a
     # 150-token prompt (several blocks, not a multiple of four) a 7-row pass must give, bit for bit,
     # what 7 single steps give, and match the model's own forward.
     model = use_panel_kernels(tiny_llama(head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2))

@@ -46,13 +46,12 @@ def test_float32_layers_pack_as_wide_as_the_kernels_built_here():
 
 
 @needs_kernels
-@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None or f32_panel_width() != 32, reason="the wide AVX-512 float32 kernels are not built here")
 @pytest.mark.parametrize("rows", [12, 13, 17, 24, 25, 37])
 def test_wide_float32_rows_do_not_depend_on_how_many_rows_come_together(rows):
-    # One accumulator chain per output: a verification pass over 13 rows (chunks of 7 and 6, taken
-    # together 128 k-steps at a time; 1000 inputs end in a partial block) gives bit for bit the
-    # products of 13 one-row steps, so batching cannot flip a greedy near-tie. 25 and 37 rows: a
-    # pair of chunks, then a chunk (or pair) after it.
+    # One accumulator chain per output: a verification pass over 13 rows (AVX-512: chunks of 7 and 6,
+    # taken together 128 k-steps at a time; AVX2: chunks of 5, 4 and 4, a pair then one, 256 k-steps;
+    # 1000 inputs end in a partial block) gives bit for bit the products of 13 one-row steps, so
+    # batching cannot flip a greedy near-tie. 25 and 37 rows: pairs of chunks, then a chunk or pair.
     torch.manual_seed(rows)
     layer = PanelLinear(torch.nn.Linear(1000, 70))
     x = torch.randn(rows, 1000)
