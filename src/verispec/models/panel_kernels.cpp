@@ -125,25 +125,30 @@ static void chunk_rows(int rows, const float* x, int64_t K, const int8_t* panel,
   with_rows(rows, [&](auto count) { panel_rows<decltype(count)::value>(x, K, panel, out); });
 }
 
-// The float32 vector: 16 lanes with AVX-512, else 8 (what wide_rows below is written in).
-#if defined(__AVX512F__)
-struct F32Vector {
-  using V = __m512;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V broadcast(float value) { return _mm512_set1_ps(value); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-};
-#else
-struct F32Vector {
+// float32 vectors of 8 lanes (AVX2) and 16 (AVX-512), for the kernels written once over either:
+// wide_rows below, and the attention's value sums.
+struct Lanes8 {
   using V = __m256;
+  static constexpr int LANES = 8;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V broadcast(float value) { return _mm256_set1_ps(value); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 };
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int LANES = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V broadcast(float value) { return _mm512_set1_ps(value); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+using F32Vector = Lanes16;  // the float32 panels' vector
+#else
+using F32Vector = Lanes8;
 #endif
 #define F32_HALF (F32_PANEL / 2)
 
@@ -200,6 +205,8 @@ static inline __attribute__((always_inline)) void wide_rows(const float* x, int6
   store_sums<ROWS>(acc, out);
 }
 
+// rows <= F32_MAX_ROWS (for_panel_chunks never passes more); no kernel is built for more rows, whose
+// sums would not fit in the registers.
 static void f32_chunk_rows(int rows, const float* x, int64_t K, const float* panel, float* out, int64_t k0, int64_t k1) {
   with_rows(rows, [&](auto count) {
     if constexpr (decltype(count)::value <= F32_MAX_ROWS) wide_rows<decltype(count)::value>(x, K, panel, out, k0, k1);
@@ -906,41 +913,27 @@ static inline void scores_in_registers(const float* query, const float* key_rows
     sum_lanes4(wide0, wide1, wide2, wide3, score + t);
   }
 }
-
-// ctx (+)= sum_t score[t] value[t] for t in t0..t1 (continuing ctx unless t0 is 0), or for the one
-// slot `own` (>= 0) with weight score[t0]: the whole head in registers (a run-time column count kept
-// the sums in memory, a load and a store per multiply-add).
-template <int V>
-static inline void weighted_values(const float* score, const float* value_rows, int64_t t0, int64_t t1, int64_t own, float* ctx) {
-  constexpr int64_t D = 16 * V;
-  __m512 acc[V];
-  for (int v = 0; v < V; ++v) acc[v] = t0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ctx + 16 * v);
-  for (int64_t t = t0; t < t1; ++t) {
-    const __m512 weight = _mm512_set1_ps(score[t]);
-    const float* value_row = value_rows + (own >= 0 ? own : t) * D;
-    for (int v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value_row + 16 * v), acc[v]);
-  }
-  for (int v = 0; v < V; ++v) _mm512_storeu_ps(ctx + 16 * v, acc[v]);
-}
 #endif
 
-// The same sums in 8-lane registers for columns first..first + 8V of the head (AVX2: 16 registers
-// hold half of a 128-wide head). Why: with a run-time column count gcc kept the accumulators in
-// memory, a load and a store beside every FMA. One kv group of the 1.5B target (6 query heads) over
-// 16K positions, one core, timed alone (2026-12-07, a Zen 4 EPYC without AVX-512): 8 rows 10.5 ->
-// 7.8 ms a layer, 1 row 1.32 -> 1.03 ms. Inside 60 real 8-row passes at 16K (perf, cpu-clock) the
-// attention's share fell less, 41 -> 36 CPU-seconds.
-template <int V>
-static inline void weighted_values_avx2(const float* score, const float* value_rows, int64_t D, int64_t first, int64_t t0, int64_t t1, int64_t own,
-                                        float* ctx) {
-  __m256 acc[V];
-  for (int v = 0; v < V; ++v) acc[v] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(ctx + first + 8 * v);
+// ctx[first..first + LANES V) (+)= sum_t score[t] value[t][first..] for t in t0..t1 (continuing ctx
+// unless t0 is 0), or for the one slot `own` (>= 0) with weight score[t0]: V vectors of the head in
+// registers, one chain of FMAs per element. Why registers: with a run-time column count gcc kept the
+// sums in memory, a load and a store beside every FMA. AVX2 (8 lanes: 16 registers hold half of a
+// 128-wide head), one kv group of the 1.5B target (6 query heads) over 16K positions, one core, timed
+// alone (2026-12-07, a Zen 4 EPYC without AVX-512): 8 rows 10.5 -> 7.8 ms a layer, 1 row 1.32 ->
+// 1.03 ms; inside 60 real 8-row passes at 16K (perf, cpu-clock) the attention's share fell less,
+// 41 -> 36 CPU-seconds.
+template <typename Vec, int V>
+static inline void weighted_values(const float* score, const float* value_rows, int64_t D, int64_t first, int64_t t0, int64_t t1, int64_t own,
+                                   float* ctx) {
+  typename Vec::V acc[V];
+  for (int v = 0; v < V; ++v) acc[v] = t0 == 0 ? Vec::zero() : Vec::load(ctx + first + Vec::LANES * v);
   for (int64_t t = t0; t < t1; ++t) {
-    const __m256 weight = _mm256_set1_ps(score[t]);
+    const typename Vec::V weight = Vec::broadcast(score[t]);
     const float* value_row = value_rows + (own >= 0 ? own : t) * D + first;
-    for (int v = 0; v < V; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value_row + 8 * v), acc[v]);
+    for (int v = 0; v < V; ++v) acc[v] = Vec::fma(weight, Vec::load(value_row + Vec::LANES * v), acc[v]);
   }
-  for (int v = 0; v < V; ++v) _mm256_storeu_ps(ctx + first + 8 * v, acc[v]);
+  for (int v = 0; v < V; ++v) Vec::store(ctx + first + Vec::LANES * v, acc[v]);
 }
 
 static inline void scores_of(const float* query, const float* key_rows, int64_t t0, int64_t t1, int64_t D, float* score) {
@@ -1010,12 +1003,12 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
   // position t0 reads that cache slot's value.
   const auto accumulate = [&](const AttentionTask& a, int64_t t0, int64_t t1, int64_t slot) {
 #if defined(__AVX512F__)
-    if (D == 128) return weighted_values<8>(a.score, value_rows, t0, t1, slot, a.ctx);
-    if (D == 64) return weighted_values<4>(a.score, value_rows, t0, t1, slot, a.ctx);
+    if (D == 128) return weighted_values<Lanes16, 8>(a.score, value_rows, D, 0, t0, t1, slot, a.ctx);
+    if (D == 64) return weighted_values<Lanes16, 4>(a.score, value_rows, D, 0, t0, t1, slot, a.ctx);
 #endif
     int64_t first = 0;
-    for (; first + 64 <= D; first += 64) weighted_values_avx2<8>(a.score, value_rows, D, first, t0, t1, slot, a.ctx);
-    for (; first < D; first += 8) weighted_values_avx2<1>(a.score, value_rows, D, first, t0, t1, slot, a.ctx);
+    for (; first + 64 <= D; first += 64) weighted_values<Lanes8, 8>(a.score, value_rows, D, first, t0, t1, slot, a.ctx);
+    for (; first < D; first += 8) weighted_values<Lanes8, 1>(a.score, value_rows, D, first, t0, t1, slot, a.ctx);
   };
   for (int64_t t0 = 0; t0 < widest; t0 += ATTENTION_BLOCK)
     for (int64_t task = 0; task < count; ++task)
