@@ -6,6 +6,8 @@ import pytest
 
 from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, int8_uses_amx, panel_kernels_unavailable_reason
 
+# Bit-identical rows need the panel kernels (one chain of FMAs per output, AVX-512 or AVX2).
+needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 needs_bf16 = pytest.mark.skipif(
     panel_kernels_unavailable_reason() is not None or not bf16_kernels_available(), reason="the bfloat16 kernels need an AVX512-BF16 CPU"
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from chi_square import SIGNIFICANCE, goodness_of_fit_pvalue
+from marks import needs_kernels
 from test_eagle import trained_head  # noqa: F401 - a fixture
 from tiny_models import noisy_copy, tiny_config, tiny_target
 from transformers import Qwen2ForCausalLM
@@ -17,10 +18,6 @@ from verispec.engine.decoder import checked_proposal, pick_branches, verify_tree
 from verispec.engine.lean_lm import target_lm
 from verispec.models.panel_linear import panel_kernels_unavailable_reason, use_panel_kernels
 from verispec.sampling import SamplingParams
-
-# Bit-identical rows need the panel kernels (one chain of FMAs per output, AVX-512 or AVX2).
-needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
-
 
 @needs_kernels
 @pytest.mark.parametrize("head_dim", [8, 128])

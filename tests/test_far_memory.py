@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from marks import needs_kernels
 from tiny_models import tiny_target
 from verispec import SpeculativeDecoder
 from verispec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
@@ -67,6 +68,19 @@ def plain_causal_attention(query, keys, values, start):
     )[0]
 
 
+@pytest.fixture
+def memory_path(request, monkeypatch):
+    """Which code attends within the far memory: our kernel (skipped where it cannot run) or PyTorch's products."""
+    import verispec.drafters.far_memory as far_memory
+
+    if request.param == "kernel":
+        if far_memory._memory_kernel() is None:
+            pytest.skip("the attention kernel cannot run here")
+    else:
+        monkeypatch.setattr(far_memory, "_memory_kernel", lambda: None)
+    return request.param
+
+
 # --- positions and math ------------------------------------------------------------------------------
 
 
@@ -89,13 +103,15 @@ def test_near_keys_keep_their_positions_far_keys_share_one():
         (FarMemoryConfig("local", local_window=3), 5, 4),
     ],
 )
-def test_far_memory_attention_matches_the_written_out_reference(config, start, num_rows):
+@pytest.mark.parametrize("memory_path", ["kernel", "pytorch"], indirect=True)
+def test_far_memory_attention_matches_the_written_out_reference(config, start, num_rows, memory_path):
     query, keys, values = random_qkv(num_rows, start + num_rows)
     got = far_memory_attention(query, keys, values, start, INV_FREQ, config)
     torch.testing.assert_close(got, reference_attention(query, keys, values, start, config), atol=1e-5, rtol=1e-5)
 
 
-def test_memory_mass_is_reweighted_by_lambda_and_sharpened_by_one_over_t():
+@pytest.mark.parametrize("memory_path", ["kernel", "pytorch"], indirect=True)
+def test_memory_mass_is_reweighted_by_lambda_and_sharpened_by_one_over_t(memory_path):
     """One row, one head, by hand: out = (Z_loc·o_loc + λ·Z_mem·o_mem) / (Z_loc + λ·Z_mem)."""
     config = FarMemoryConfig("fold", local_window=1, memory_temperature=0.5, memory_weight=3.0)
     query, keys, values = random_qkv(1, 4, heads=1, kv_heads=1, seed=3)
@@ -139,6 +155,42 @@ def test_blocks_of_rows_give_the_same_result_as_one_block(monkeypatch):
     whole = far_memory_attention(query, keys, values, 4, INV_FREQ, config)
     monkeypatch.setattr(far_memory, "_BLOCK_ELEMENTS", 4 * 14 * 3)  # 3 rows a block
     torch.testing.assert_close(far_memory_attention(query, keys, values, 4, INV_FREQ, config), whole, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "kv_heads, group, head_dim, num_keys, capacity, ends",
+    [
+        (2, 6, 128, 700, 1024, [0, 650, 651, 700]),  # a cache's view (heads a capacity apart); a row without memory
+        (1, 4, 8, 37, 37, [37]),  # one draft step
+        (2, 3, 80, 129, 300, [1, 2, 3, 64, 129]),  # memories shorter than a block of keys, odd lengths
+    ],
+)
+def test_the_memory_kernel_is_pytorchs_memory_attention(kv_heads, group, head_dim, num_keys, capacity, ends, monkeypatch):
+    import verispec.drafters.far_memory as far_memory
+
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(kv_heads, group, len(ends), head_dim, generator=generator)
+    keys = torch.randn(kv_heads, capacity, head_dim, generator=generator)[:, :num_keys]
+    values = torch.randn(kv_heads, capacity, head_dim, generator=generator)[:, :num_keys]
+    ends = torch.tensor(ends)
+    calls = []
+    library = far_memory._memory_kernel()
+
+    class Recording:  # the library, counting its calls: the kernel must really run
+        def verispec_memory_attention(self, *args):
+            calls.append(args[3])  # rows
+            return library.verispec_memory_attention(*args)
+
+    monkeypatch.setattr(far_memory, "_memory_kernel", lambda: Recording())
+    context, lse = far_memory._memory_part(query, keys, values, ends, 0.3)
+    assert calls == [len(ends)]
+    monkeypatch.setattr(far_memory, "_memory_kernel", lambda: None)
+    expected_context, expected_lse = far_memory._memory_part(query, keys, values, ends, 0.3)
+    torch.testing.assert_close(context, expected_context, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)  # -inf where a row has no memory, in both
+    no_memory = ends == 0
+    assert torch.isneginf(lse[:, :, no_memory]).all() and not context[:, :, no_memory].any()
 
 
 # --- the far memory read in bfloat16 ------------------------------------------------------------------

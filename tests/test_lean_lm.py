@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from marks import needs_kernels
 from tiny_models import noisy_copy, tiny_target
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -124,9 +125,6 @@ def test_shared_decoder_is_rebuilt_after_the_model_is_quantised_in_place():
     quantize_int8(model)
     after = LeanDecoder.shared(model)
     assert after is not before and after.source_o_proj is model.model.layers[0].self_attn.o_proj
-
-
-needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
 
 @needs_kernels

@@ -8,14 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from marks import needs_amx, needs_amx_int8, needs_bf16
+from marks import needs_amx, needs_amx_int8, needs_bf16, needs_kernels
 from tiny_models import noisy_copy, tiny_config, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
 from verispec.models.packed_linear import pack_linears
 from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, int8_uses_amx, pack_bf16_panels, MAX_KERNEL_ROWS, MAX_VNNI_KERNEL_ROWS, PanelLinear, f32_panel_width, int8_uses_vnni, pack_panels, pack_vnni_panels, panel_kernels_unavailable_reason, panel_or_same, use_panel_kernels
-
-needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
 
 
 def test_pack_panels_layout_and_padding():

@@ -25,11 +25,13 @@ the drafts a little, never the output.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
 import torch
 
+from verispec.models.panel_linear import panel_kernels_unavailable_reason, panel_library
 from verispec.models.quantize import native_bf16_products
 from verispec.models.rotary import apply_rotary, rotary_cos_sin
 
@@ -170,20 +172,62 @@ def _attend_block(
     if config.mode != "fold" or memory_end <= 0:
         return _grouped_matmul(torch.softmax(local_logits, dim=-1), values[:, local_from : first + rows])
     cos_w, sin_w = rotary_cos_sin(torch.tensor([float(window)], device=device), inv_freq)
+    at_window = apply_rotary(query, cos_w, sin_w)  # [kv_heads, group, b, d]: every memory key at distance W
+    ends = (row_positions - window + 1).clamp_(min=0)  # [b]: row t's memory is keys 0 .. t-W
     memory_keys, memory_values = (keys, values) if memory is None else memory
-    memory_keys, memory_values = memory_keys[:, :memory_end], memory_values[:, :memory_end]  # [kv_heads, n_mem, d], all at distance W
-    at_window = apply_rotary(query, cos_w, sin_w).to(memory_keys.dtype)
-    memory_logits = _grouped_matmul(at_window, memory_keys.transpose(1, 2)).float()  # [kv_heads, group, b, n_mem]
-    memory_logits.mul_(scale / config.memory_temperature).add_(math.log(config.memory_weight))
-    if rows > 1:
-        in_memory = torch.arange(memory_end, device=device)[None, :] <= (row_positions - window)[:, None]  # [b, n_mem]
-        memory_logits.masked_fill_(~in_memory, -math.inf)
-    # One softmax over both parts, without concatenating them (in place: these are the block's largest tensors).
-    peak = torch.maximum(local_logits.amax(dim=-1, keepdim=True), memory_logits.amax(dim=-1, keepdim=True))
-    local_weights, memory_weights = local_logits.sub_(peak).exp_(), memory_logits.sub_(peak).exp_()
-    total = local_weights.sum(dim=-1, keepdim=True) + memory_weights.sum(dim=-1, keepdim=True)  # Z_loc + λ·Z_mem (scaled)
-    from_memory = _grouped_matmul(memory_weights.to(memory_values.dtype), memory_values).float()
-    return (_grouped_matmul(local_weights, values[:, local_from : first + rows]) + from_memory) / total
+    memory_keys, memory_values = memory_keys[:, :memory_end], memory_values[:, :memory_end]  # [kv_heads, n_mem, d]
+    memory_context, memory_lse = _memory_part(at_window, memory_keys, memory_values, ends, scale / config.memory_temperature)
+    # One softmax over both parts: the memory enters as one term of mass λ·Z_mem = e^(lse + log λ).
+    memory_log_mass = memory_lse.add_(math.log(config.memory_weight))  # [kv_heads, group, b]
+    peak = torch.maximum(local_logits.amax(dim=-1), memory_log_mass)  # finite: a row always sees its own key
+    local_weights = local_logits.sub_(peak[..., None]).exp_()
+    memory_share = (memory_log_mass - peak).exp_()  # λ·Z_mem, scaled as the local weights are
+    total = local_weights.sum(dim=-1) + memory_share  # Z_loc + λ·Z_mem (scaled)
+    local_part = _grouped_matmul(local_weights, values[:, local_from : first + rows])
+    return local_part.add_(memory_context.mul_(memory_share[..., None])).div_(total[..., None])
+
+
+def _memory_part(
+    query: torch.Tensor,  # [kv_heads, group, b, d] rotated to the memory's distance W
+    keys: torch.Tensor,  # [kv_heads, n_mem, d] unrotated (float32, or bfloat16 copies)
+    values: torch.Tensor,  # [kv_heads, n_mem, d]
+    ends: torch.Tensor,  # [b] int64: row r's memory is keys 0 .. ends[r]-1
+    scaling: float,  # 1/(√d·T)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention within the memory alone: context o_mem # [kv_heads, group, b, d] and the log of its
+    normaliser, log Z_mem = log Σ_s e^(scaling·q·k_s) # [kv_heads, group, b] (a row with no memory:
+    context 0, -inf). Float32 memories run our attention kernel where it is built (the target's
+    own attention code: each key read once for every row and head of its kv head); bfloat16 copies
+    and machines without the kernels run PyTorch's products."""
+    library = _memory_kernel() if keys.dtype == torch.float32 and keys.shape[-1] % 8 == 0 else None
+    if library is None:
+        logits = _grouped_matmul(query.to(keys.dtype), keys.transpose(1, 2)).float().mul_(scaling)  # [kv_heads, group, b, n_mem]
+        logits.masked_fill_(torch.arange(keys.shape[1], device=keys.device)[None, :] >= ends[:, None], -math.inf)
+        lse = logits.logsumexp(dim=-1)
+        weights = logits.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()  # rows without memory: all 0
+        return _grouped_matmul(weights.to(values.dtype), values).float(), lse
+    kv_heads, group, rows, head_dim = query.shape
+    query = query.contiguous()
+    keys, values = _rows_in_place(keys), _rows_in_place(values)
+    ends = ends.to(torch.int64).contiguous()
+    context, lse = torch.empty_like(query), torch.empty(kv_heads, group, rows)
+    library.verispec_memory_attention(
+        query.data_ptr(), kv_heads, group, rows, head_dim, keys.data_ptr(), keys.stride(0), values.data_ptr(), values.stride(0),
+        ends.data_ptr(), scaling, context.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+    )
+    return context, lse
+
+
+def _rows_in_place(states: torch.Tensor) -> torch.Tensor:
+    """``states`` # [kv_heads, n, d] with each position's d floats together and a head's positions
+    in order (a cache's view: heads a capacity apart), copied only if they are not."""
+    return states if states.stride(2) == 1 and states.stride(1) == states.shape[2] else states.contiguous()
+
+
+@functools.cache
+def _memory_kernel():  # noqa: ANN202 - the ctypes library, or None
+    """The compiled kernels, or None where they cannot run (PyTorch's products then)."""
+    return panel_library() if panel_kernels_unavailable_reason() is None else None
 
 
 def _check_resolved(config: FarMemoryConfig) -> None:

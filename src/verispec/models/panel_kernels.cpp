@@ -863,8 +863,8 @@ static inline void silu_mul_into(const float* g, const float* u, float* act, int
 
 // score[0..count) <- softmax(score * scaling), 8 lanes at a time: every step is elementwise or a
 // fixed order of sums over the row (8 lane sums, then lanes 0..7), so a row's weights depend on
-// its scores alone.
-static void softmax_row(float* score, int64_t count, float scaling) {
+// its scores alone. Returns the log of the normaliser, log sum_t e^(score[t] scaling).
+static float softmax_row(float* score, int64_t count, float scaling) {
   const __m256 scale = _mm256_set1_ps(scaling);
   __m256 top8 = _mm256_set1_ps(-INFINITY);
   int64_t t = 0;
@@ -890,6 +890,7 @@ static void softmax_row(float* score, int64_t count, float scaling) {
   for (; t < count; ++t) total += score[t];
   const __m256 total_lanes = _mm256_set1_ps(total);
   map_lanes(score, nullptr, score, count, [&](__m256 x, __m256) { return _mm256_div_ps(x, total_lanes); });
+  return top + logf(total);
 }
 
 // score[t] = dot4(query, key t) for t in t0..t1 (multiples of 4). With AVX-512 and head_dim 64 or
@@ -971,6 +972,7 @@ struct AttentionTask {
   int64_t prefix;
   const int64_t* tail;  // [tail_len] cache slots, the last one the row's own
   int64_t tail_len;
+  float* lse = nullptr;  // if set, receives the log of the softmax's normaliser (see softmax_row)
 };
 
 static void attend(const AttentionTask* tasks, int64_t count, const float* key_rows, const float* value_rows, int64_t D, float scaling) {
@@ -995,7 +997,8 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
       dot4(a.query, keys, D, last);
       memcpy(a.score + first, last, sizeof(float) * (visible - first < 4 ? visible - first : 4));
     }
-    softmax_row(a.score, visible, scaling);
+    const float lse = softmax_row(a.score, visible, scaling);
+    if (a.lse) *a.lse = lse;
   }
   // ctx = sum_t score[t] value[t], positions block by block, then the tail's slots: a head of 64 or
   // 128 in 16-lane registers (AVX-512), else 64 columns at a time in 8-lane registers and the last
@@ -1294,6 +1297,42 @@ void verispec_panel_linear_f32_panels(const float* x, int64_t M, int64_t K, cons
 // The lean stack's exponential and SiLU gate, for tests: y = e^x; act = silu(g) * u (count floats each).
 void verispec_exp(const float* x, float* y, int64_t count) { exp_into(x, y, count); }
 void verispec_silu_mul(const float* g, const float* u, float* act, int64_t count) { silu_mul_into(g, u, act, count); }
+
+// A drafting head's far memory (drafters/far_memory.py), all of its rows at once: row r of query
+// head j of kv head g (query [kv_heads][group][rows][D]) attends to keys and values 0..ends[r]-1 of
+// kv head g (keys / values: kv_heads rows of positions key_stride / value_stride floats apart, D
+// floats a position). ctx (as query) = the softmax of scaling q.k over them times the values, lse
+// [kv_heads][group][rows] = the log of that softmax's normaliser, for the caller to weigh the memory
+// against the local window; a row with ends[r] = 0 gets ctx 0 and lse -inf. D a multiple of 8. Why
+// not PyTorch: its two products of one head step over 16K memory keys (12 heads, 2 kv heads, head
+// size 128) ran at ~14 GMAC/s on 2 threads; attend, the target's own attention, reads each key once
+// for all of a kv head's rows and heads.
+void verispec_memory_attention(const float* query, int64_t kv_heads, int64_t group, int64_t rows, int64_t D, const float* keys,
+                               int64_t key_stride, const float* values, int64_t value_stride, const int64_t* ends, float scaling,
+                               float* ctx, float* lse, int num_threads) {
+  std::vector<int64_t> last(rows), score_first(rows + 1, 0);  // each row's last memory slot; its scores' offset in a head's block
+  for (int64_t r = 0; r < rows; ++r) last[r] = ends[r] - 1, score_first[r + 1] = score_first[r] + ends[r];
+  const int64_t tasks_per_kv = group * rows, scores_per_head = score_first[rows];
+  float* scores = (float*)malloc(sizeof(float) * (kv_heads * group * scores_per_head + 1));
+  // Work items: kv heads, split into slices only when there are fewer of them than threads.
+  const int64_t slices = std::max<int64_t>(1, (num_threads + kv_heads - 1) / kv_heads);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t item = 0; item < kv_heads * slices; ++item) {
+    const int64_t g = item / slices, slice = item % slices;
+    std::vector<AttentionTask> tasks;
+    for (int64_t task = tasks_per_kv * slice / slices; task < tasks_per_kv * (slice + 1) / slices; ++task) {
+      const int64_t head = g * group + task / rows, r = task % rows, row = head * rows + r;
+      if (ends[r] <= 0) {
+        memset(ctx + row * D, 0, sizeof(float) * D);
+        lse[row] = -INFINITY;
+        continue;
+      }
+      tasks.push_back({query + row * D, scores + head * scores_per_head + score_first[r], ctx + row * D, last[r], &last[r], 1, lse + row});
+    }
+    attend(tasks.data(), (int64_t)tasks.size(), keys + g * key_stride, values + g * value_stride, D, scaling);
+  }
+  free(scores);
+}
 
 // 1 where built with AVX512-BF16: verispec_panel_linear_bf16 runs.
 int verispec_has_bf16(void) { return BF16; }

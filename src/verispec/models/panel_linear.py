@@ -175,6 +175,7 @@ def panel_library() -> ctypes.CDLL:
     library.verispec_screened_head_i8.argtypes = [pointer, int64, int64, pointer, pointer, pointer, int64, pointer, pointer, pointer, int64, pointer, ctypes.c_int]
     library.verispec_screened_head_i8.restype = ctypes.c_int
     library.verispec_lean_stack.argtypes = [pointer, ctypes.c_float, ctypes.c_int, int64, *[pointer] * 16, ctypes.c_int]
+    library.verispec_memory_attention.argtypes = [pointer, int64, int64, int64, int64, pointer, int64, pointer, int64, pointer, ctypes.c_float, pointer, pointer, ctypes.c_int]
     return library
 
 
