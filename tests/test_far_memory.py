@@ -193,6 +193,25 @@ def test_the_memory_kernel_is_pytorchs_memory_attention(kv_heads, group, head_di
     assert torch.isneginf(lse[:, :, no_memory]).all() and not context[:, :, no_memory].any()
 
 
+def test_a_memory_kernel_that_cannot_be_built_leaves_pytorchs_products(monkeypatch):
+    import verispec.drafters.far_memory as far_memory
+
+    def failing_build():
+        raise RuntimeError("building the panel kernels failed (g++): ...")
+
+    monkeypatch.setattr(far_memory, "panel_library", failing_build)
+    monkeypatch.setattr(far_memory, "panel_kernels_unavailable_reason", lambda: None)
+    far_memory._memory_kernel.cache_clear()
+    try:
+        assert far_memory._memory_kernel() is None  # a draft is never worth failing a request over
+        config = FarMemoryConfig("fold", local_window=2, memory_temperature=1.5, memory_weight=1.0)
+        query, keys, values = random_qkv(1, 12)
+        got = far_memory_attention(query, keys, values, 11, INV_FREQ, config)
+        torch.testing.assert_close(got, reference_attention(query, keys, values, 11, config), atol=1e-5, rtol=1e-5)
+    finally:
+        far_memory._memory_kernel.cache_clear()  # the real library again for the tests after this one
+
+
 # --- the far memory read in bfloat16 ------------------------------------------------------------------
 
 

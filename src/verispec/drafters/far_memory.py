@@ -210,7 +210,7 @@ def _memory_part(
     query = query.contiguous()
     keys, values = _rows_in_place(keys), _rows_in_place(values)
     ends = ends.to(torch.int64).contiguous()
-    context, lse = torch.empty_like(query), torch.empty(kv_heads, group, rows)
+    context, lse = torch.empty_like(query), torch.empty(kv_heads, group, rows, dtype=torch.float32)
     library.verispec_memory_attention(
         query.data_ptr(), kv_heads, group, rows, head_dim, keys.data_ptr(), keys.stride(0), values.data_ptr(), values.stride(0),
         ends.data_ptr(), scaling, context.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
@@ -226,8 +226,14 @@ def _rows_in_place(states: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _memory_kernel():  # noqa: ANN202 - the ctypes library, or None
-    """The compiled kernels, or None where they cannot run (PyTorch's products then)."""
-    return panel_library() if panel_kernels_unavailable_reason() is None else None
+    """The compiled kernels, or None where they cannot run or be built (PyTorch's products then:
+    a draft is never worth failing a request over; the target's kernel choice reports build errors)."""
+    if panel_kernels_unavailable_reason() is not None:
+        return None
+    try:
+        return panel_library()
+    except RuntimeError:
+        return None
 
 
 def _check_resolved(config: FarMemoryConfig) -> None:

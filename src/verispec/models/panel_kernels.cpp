@@ -1305,8 +1305,10 @@ void verispec_silu_mul(const float* g, const float* u, float* act, int64_t count
 // [kv_heads][group][rows] = the log of that softmax's normaliser, for the caller to weigh the memory
 // against the local window; a row with ends[r] = 0 gets ctx 0 and lse -inf. D a multiple of 8. Why
 // not PyTorch: its two products of one head step over 16K memory keys (12 heads, 2 kv heads, head
-// size 128) ran at ~14 GMAC/s on 2 threads; attend, the target's own attention, reads each key once
-// for all of a kv head's rows and heads.
+// size 128) ran at ~14 GMAC/s on 2 threads; attend reads each key once for all of a kv head's rows
+// and heads. Timed alone (keys in cache) a step over 16K keys went 10.5 -> 6.8 ms; inside decoding,
+// where the memory returns from DRAM after each target pass, both wait on memory (2026-12-07, Zen 4
+// without AVX-512): fewer bytes (a half-precision memory) is what would make that step cheaper.
 void verispec_memory_attention(const float* query, int64_t kv_heads, int64_t group, int64_t rows, int64_t D, const float* keys,
                                int64_t key_stride, const float* values, int64_t value_stride, const int64_t* ends, float scaling,
                                float* ctx, float* lse, int num_threads) {
