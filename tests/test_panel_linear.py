@@ -314,14 +314,14 @@ for rows in (1, 2, 3, 5, 9, 12, 13):
     torch.testing.assert_close(together.double(), reference, atol=2e-5, rtol=1e-5)
     # every row the same chain of FMAs however many come together (the prefix cache, branch rows)
     assert torch.equal(together, one_by_one(PanelLinear(linear), x)), rows
-# 75 outputs = 10 int8 panels: 1-4 rows take them in side-by-side groups of 8 / 4 / 3 / 2 and a
-# shorter last group, 5 and more one panel at a time; every row the same chain however it is taken
+# 75 outputs = 10 int8 panels: 1 or 2 rows (the kernel's; more go to fbgemm) take them in
+# side-by-side groups of 8 / 4 and a shorter last group; every row the same chain either way
 quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 75)))[0]
 layer = PanelLinear(quantized)
 assert layer.max_kernel_rows == MAX_INT8_KERNEL_ROWS and layer.colsum is None
 weight = quantized.weight()
 dequantized = weight.int_repr().double() * weight.q_per_channel_scales().double()[:, None]
-for rows in (1, 2, 3, 4, 5, 9):
+for rows in (1, 2):
     x = torch.randn(rows, 70)
     torch.testing.assert_close(layer(x).double(), x.double() @ dequantized.T + quantized.bias().double(), atol=1e-5, rtol=1e-5)
     assert torch.equal(layer(x), one_by_one(layer, x)), rows

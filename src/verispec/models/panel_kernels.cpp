@@ -131,11 +131,12 @@ static inline __attribute__((always_inline)) void panels_rows(const float* x, in
     for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * out_stride + i * PANEL, acc[r][i]);
 }
 
-// Panels side by side for products of 1-4 rows: 8 or 9 chains in flight (and at most 13 registers).
-static constexpr int int8_side_panels(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows == 3 ? 3 : 2; }
-#define INT8_SIDE_MAX_ROWS 4
+// Panels side by side for products of 1 or 2 rows (the most the int8 kernel takes without VNNI:
+// MAX_INT8_KERNEL_ROWS in panel_linear.py; from 3 rows fbgemm's 8-bit products are faster): 8
+// chains in flight either way.
+static constexpr int int8_side_panels(int rows) { return rows == 1 ? 8 : 4; }
 
-// rows (1-4) of x against `count` consecutive panels from `panel` (all int8_side_panels(rows) of
+// rows (1 or 2) of x against `count` consecutive panels from `panel` (all int8_side_panels(rows) of
 // a group, or fewer at the end of the weight), out [rows][int8_side_panels(rows) * PANEL].
 template <int ROWS>
 static void side_panel_rows(const float* x, int64_t K, const int8_t* panel, int64_t count, float* out) {
@@ -700,7 +701,7 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
     const float value = w.scale ? entry * w.scale[n] : entry;
     return w.bias ? value + w.bias[n] : value;
   };
-  if (INT8 && M >= 1 && M <= INT8_SIDE_MAX_ROWS) {  // groups of panels side by side (side_panel_rows)
+  if (INT8 && (M == 1 || M == 2)) {  // groups of panels side by side (side_panel_rows)
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
     const auto groups = [&](auto rows) {
       constexpr int ROWS = decltype(rows)::value, PANELS = int8_side_panels(ROWS);
@@ -713,9 +714,7 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
           scaled);
     };
     if (M == 1) groups(std::integral_constant<int, 1>());
-    else if (M == 2) groups(std::integral_constant<int, 2>());
-    else if (M == 3) groups(std::integral_constant<int, 3>());
-    else groups(std::integral_constant<int, 4>());
+    else groups(std::integral_constant<int, 2>());
     return;
   }
   constexpr int WIDTH = INT8 ? PANEL : F32_PANEL, MAX_ROWS = INT8 ? MAX_CHUNK_ROWS : F32_MAX_ROWS;
