@@ -105,8 +105,9 @@ static inline __attribute__((always_inline)) void panel_rows(const float* x, int
 // ROWS rows of x against PANELS consecutive int8 panels, out [ROWS][out_stride]: each output the
 // same one chain of FMAs over k as in panel_rows (the same sums, bit for bit), PANELS chains a row.
 // Why: one row against one panel is a single chain, one FMA per FMA latency; a 1-row product (a
-// draft step, an EAGLE head step) ran at a quarter of the FMA rate, 2 rows cost what 1 did. The
-// int8 0.5B draft's products of one step on 2 threads (Zen 4 without AVX-512): 43.7 ms for 1 row.
+// draft model's step, without VNNI) ran at a quarter of the FMA rate, 2 rows cost what 1 did. (Split
+// over k instead, as until 2026-12-04, the sums' order depended on the row count.) The int8 0.5B
+// draft's products of one step on 2 threads (Zen 4 without AVX-512): 43.7 -> 13.9 ms for 1 row.
 template <int ROWS, int PANELS>
 static inline __attribute__((always_inline)) void panels_rows(const float* x, int64_t K, const int8_t* panel, float* out, int64_t out_stride) {
   __m256 acc[ROWS][PANELS];
