@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from marks import needs_kernels
 from tiny_models import write_tiny_qwen2_gguf
 from verispec.bench import methods as bench_methods
 from verispec.bench.methods import RunOutput
@@ -14,7 +15,6 @@ from verispec.bench.prompts import Prompt, first_per_category, prompts_from_file
 from verispec.bench.runner import WARMUP_PROMPT_TOKENS, WARMUP_TOKENS, BenchSettings, Row, run_bench
 from verispec.bench.summary import first_difference, speedup, summarize
 from verispec.drafters.draft_model import DraftModelSettings
-from verispec.models.panel_linear import panel_kernels_unavailable_reason
 from verispec.cli import main
 from verispec.sampling import SamplingParams
 
@@ -118,7 +118,7 @@ def test_bench_end_to_end_writes_results_report_and_plots(tiny_gguf, prompts_fil
         assert_valid_png(out / name)
 
 
-@pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
+@needs_kernels
 def test_shared_prefill_lets_every_method_after_the_first_restore_the_prompt(tiny_gguf, prompts_file, tmp_path, capsys):
     out = tmp_path / "out"
     methods = ["plain", "ngram", "draft-model", "draft-model:gamma=2:prefix=0"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from marks import needs_bf16
+from marks import needs_bf16, needs_kernels
 from scheduling import serve_all
 from tiny_models import noisy_copy, tiny_target
 
@@ -12,21 +12,17 @@ from verispec import DraftModel, SamplingParams, SpeculativeDecoder
 from verispec.drafters.base import DraftContext, propose_batch
 from verispec.drafters.combined import lookup_then_model
 from verispec.engine.lean_lm import _groups, target_lm
-from verispec.models.panel_linear import f32_panel_width, panel_kernels_unavailable_reason, use_panel_kernels
+from verispec.models.panel_linear import use_panel_kernels
 from verispec.serving import BatchedTarget, BatchGammaPolicy, LeanBatchedTarget, Scheduler, SchedulerConfig
 from verispec.serving.scheduler import batched_target
 
-pytestmark = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
-# With the wide AVX-512 float32 kernels a row's products are the same operations whatever rows run
-# beside it, so batching is bit for bit; the AVX2 kernels may round a row differently in a group.
-BITWISE = panel_kernels_unavailable_reason() is None and f32_panel_width() == 32
+pytestmark = needs_kernels
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
-    if BITWISE:
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # On the panel kernels (AVX-512 or AVX2) a row's products and attention are the same operations
+    # whatever rows run beside it, so batching is bit for bit.
+    assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")

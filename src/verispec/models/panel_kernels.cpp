@@ -1081,6 +1081,10 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
     for (int64_t i = 0; i < tasks[task].tail_len; ++i) accumulate(tasks[task], tasks[task].prefix + i, tasks[task].prefix + i + 1, tasks[task].tail[i]);
 }
 
+// Slices per kv group when attention's work items are `groups` kv groups: a group is split only
+// when there are fewer groups than threads (each slice reads the group's cache once).
+static inline int64_t attention_slices(int64_t groups, int num_threads) { return std::max<int64_t>(1, (num_threads + groups - 1) / groups); }
+
 template <int KIND>
 static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, float* x, const float* cos, const float* sin,
                        const Weight* weights, const float* const* norms, const float* final_norm, float* out, int num_threads) {
@@ -1116,9 +1120,8 @@ static void lean_stack(const LeanStackDims& d, const Segments& seq, int64_t n, f
   QuantizedBuffer quantized(KIND != F32_WEIGHTS ? n : 0, KIND != F32_WEIGHTS ? widest : 0, KIND == BF16_WEIGHTS ? 2 : 1);
   const Quantized q = quantized.q;
   const float scaling = 1.0f / sqrtf((float)D);
-  // Attention work items: each sequence's kv groups, split into slices only when there are fewer
-  // groups than threads (each slice reads the group's cache once).
-  const int64_t slices = std::max<int64_t>(1, (num_threads + seq.count * KV - 1) / (seq.count * KV));
+  // Attention work items: each sequence's kv groups (attention_slices).
+  const int64_t slices = attention_slices(seq.count * KV, num_threads);
 #pragma omp parallel num_threads(num_threads)
   for (int64_t l = 0; l < d.num_layers; ++l) {
     // qkv (qkv_parts weights), o, gate_up (gate_up_parts weights), down
@@ -1377,8 +1380,7 @@ void verispec_memory_attention(const float* query, int64_t kv_heads, int64_t gro
   for (int64_t r = 0; r < rows; ++r) last[r] = ends[r] - 1, score_first[r + 1] = score_first[r] + ends[r];
   const int64_t tasks_per_kv = group * rows, scores_per_head = score_first[rows];
   float* scores = (float*)malloc(sizeof(float) * (kv_heads * group * scores_per_head + 1));
-  // Work items: kv heads, split into slices only when there are fewer of them than threads.
-  const int64_t slices = std::max<int64_t>(1, (num_threads + kv_heads - 1) / kv_heads);
+  const int64_t slices = attention_slices(kv_heads, num_threads);  // work items: kv heads
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t item = 0; item < kv_heads * slices; ++item) {
     const int64_t g = item / slices, slice = item % slices;
