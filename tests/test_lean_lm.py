@@ -213,9 +213,11 @@ def test_speculative_decoding_of_a_panel_target_equals_its_plain_decoding():
 def test_long_context_attention_gives_each_row_what_a_one_token_step_gives(head_dim):
     # The kernel's attention walks the cache in blocks shared by every row and query head of a kv
     # group (AVX-512: head sizes 64 and 128 keep a head in registers, others take the general loop;
-    # AVX2: value sums 64 columns at a time in registers, then 8 at a time: 80 takes both). After a
-    # 150-token prompt (several blocks, not a multiple of four) a 7-row pass must give, bit for bit,
-    # what 7 single steps give, and match the model's own forward.
+    # AVX2: value sums 64 columns at a time in registers, then 8 at a time: 80 takes both; and a
+    # kv group's tasks in tiles of three, here across rows, against one task at a time in the single
+    # steps, whose kv groups have two). After a 150-token prompt (several blocks, not a multiple of
+    # four) a 7-row pass must give, bit for bit, what 7 single steps give, and match the model's own
+    # forward.
     model = use_panel_kernels(tiny_llama(head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2))
     together, one_by_one, reference = target_lm(model), target_lm(model), CachedLM(model)
     prompt = [int(token) for token in torch.randint(3, 90, (150,), generator=torch.Generator().manual_seed(1))]
