@@ -980,25 +980,38 @@ static inline void scores_in_registers(const float* query, const float* key_rows
 }
 #endif
 
-// ctx[first..first + LANES V) (+)= sum_t score[t] value[t][first..] for t in t0..t1 (continuing ctx
-// unless t0 is 0), or for the one slot `own` (>= 0) with weight score[t0]: V vectors of the head in
-// registers, one chain of FMAs per element. Why registers: with a run-time column count gcc kept the
-// sums in memory, a load and a store beside every FMA. AVX2 (8 lanes: 16 registers hold half of a
-// 128-wide head), one kv group of the 1.5B target (6 query heads) over 16K positions, one core, timed
-// alone (2026-12-07, a Zen 4 EPYC without AVX-512): 8 rows 10.5 -> 7.8 ms a layer, 1 row 1.32 ->
-// 1.03 ms; inside 60 real 8-row passes at 16K (perf, cpu-clock) the attention's share fell less,
-// 41 -> 36 CPU-seconds.
-template <typename Vec, int V>
-static inline void weighted_values(const float* score, const float* value_rows, int64_t D, int64_t first, int64_t t0, int64_t t1, int64_t own,
-                                   float* ctx) {
-  typename Vec::V acc[V];
-  for (int v = 0; v < V; ++v) acc[v] = t0 == 0 ? Vec::zero() : Vec::load(ctx + first + Vec::LANES * v);
+// Positions a tile's first pass prefetches ahead, into L2 (see the AVX2 tiles below).
+#define ATTENTION_PREFETCH 128
+
+// ctx[r][first..first + LANES V) (+)= sum_t score[r][t] value[t][first..] for each of TASKS tasks r
+// and t in t0..t1 (continuing ctx unless t0 is 0), or for the one slot `own` (>= 0) with weight
+// score[r][t0]: V vectors of each task's head in registers, one chain of FMAs per element, the
+// tasks sharing each value vector loaded (TASKS > 1: the AVX2 tiles below). PREFETCH: also whole
+// value rows ATTENTION_PREFETCH positions ahead. Why registers: with a run-time column count gcc
+// kept the sums in memory, a load and a store beside every FMA. AVX2 (8 lanes: 16 registers hold
+// half of a 128-wide head), one kv group of the 1.5B target (6 query heads) over 16K positions, one
+// core, timed alone (2026-12-07, a Zen 4 EPYC without AVX-512): 8 rows 10.5 -> 7.8 ms a layer, 1 row
+// 1.32 -> 1.03 ms; inside 60 real 8-row passes at 16K (perf, cpu-clock) the attention's share fell
+// less, 41 -> 36 CPU-seconds.
+template <typename Vec, int TASKS, int V, bool PREFETCH = false>
+static inline __attribute__((always_inline)) void weighted_values(const float* const* score, const float* value_rows, int64_t D, int64_t first, int64_t t0,
+                                                                  int64_t t1, int64_t own, float* const* ctx) {
+  typename Vec::V acc[TASKS][V];
+  for (int r = 0; r < TASKS; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = t0 == 0 ? Vec::zero() : Vec::load(ctx[r] + first + Vec::LANES * v);
   for (int64_t t = t0; t < t1; ++t) {
-    const typename Vec::V weight = Vec::broadcast(score[t]);
+    if (PREFETCH)
+      for (int64_t line = 0; line < D; line += 16) _mm_prefetch((const char*)(value_rows + (t + ATTENTION_PREFETCH) * D + line), _MM_HINT_T1);
+    typename Vec::V weight[TASKS];
+    for (int r = 0; r < TASKS; ++r) weight[r] = Vec::broadcast(score[r][t]);
     const float* value_row = value_rows + (own >= 0 ? own : t) * D + first;
-    for (int v = 0; v < V; ++v) acc[v] = Vec::fma(weight, Vec::load(value_row + Vec::LANES * v), acc[v]);
+    for (int v = 0; v < V; ++v) {
+      const typename Vec::V value = Vec::load(value_row + Vec::LANES * v);
+      for (int r = 0; r < TASKS; ++r) acc[r][v] = Vec::fma(weight[r], value, acc[r][v]);
+    }
   }
-  for (int v = 0; v < V; ++v) Vec::store(ctx + first + Vec::LANES * v, acc[v]);
+  for (int r = 0; r < TASKS; ++r)
+    for (int v = 0; v < V; ++v) Vec::store(ctx[r] + first + Vec::LANES * v, acc[r][v]);
 }
 
 static inline void scores_of(const float* query, const float* key_rows, int64_t t0, int64_t t1, int64_t D, float* score) {
@@ -1017,9 +1030,10 @@ static inline void scores_of(const float* query, const float* key_rows, int64_t 
 // ~1.3 256-bit loads a cycle beside its two FMAs, and one task's loops load once per FMA (a key
 // or value vector beside the query, or beside the broadcast weight): scores and value sums ran at
 // ~21 and ~23 of its 45.6 G multiply-adds/s a core (2026-12-07). Three tasks share each key and
-// value vector they load, 7 loads to 12 FMAs: ~39 and ~41. Each score and context element is still
-// the operations the one-task kernels perform, in the same order (dot4's chains and sum_lanes4,
-// one chain of FMAs per element over the positions), so a task computes what it computes alone.
+// value vector they load, 7 loads to 12 FMAs: ~39 and ~41 (scores3 here, weighted_values above with
+// three tasks). Each score and context element is still the operations the one-task kernels perform,
+// in the same order (dot4's chains and sum_lanes4, one chain of FMAs per element over the
+// positions), so a task computes what it computes alone.
 //
 // The first tile of a block also asks for the rows ATTENTION_PREFETCH positions ahead to be brought
 // into L2. Why: with fewer passes over each block in L1 the hardware prefetcher fell behind — a
@@ -1027,7 +1041,6 @@ static inline void scores_of(const float* query, const float* key_rows, int64_t 
 // 8 rows got faster; with the prefetch 1 row takes 46 ms and 8 rows 209 (from 312), and every
 // distance from 64 to 512 rows measured alike.
 #define ATTENTION_TILE 3
-#define ATTENTION_PREFETCH 128
 
 // score[r][t] = dot4(query[r], key t) for r < 3 and t in t0..t1 (multiples of 4); D a multiple of 8.
 // PREFETCH: also the keys ATTENTION_PREFETCH positions ahead (prefetches past the cache never fault).
@@ -1053,30 +1066,6 @@ static inline void scores3(const float* const* query, const float* key_rows, int
   }
 }
 
-// ctx[r][first..first + 8V) (+)= sum_t score[r][t] value[t][first..] for r < 3 and t in t0..t1
-// (continuing ctx unless t0 is 0): weighted_values' chains for three tasks, each value vector loaded
-// once. PREFETCH: also whole value rows ATTENTION_PREFETCH positions ahead.
-template <int V, bool PREFETCH>
-static inline __attribute__((always_inline)) void values3(const float* const* score, const float* value_rows, int64_t D, int64_t first, int64_t t0,
-                                                          int64_t t1, float* const* ctx) {
-  __m256 acc[3][V];
-  for (int r = 0; r < 3; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(ctx[r] + first + 8 * v);
-  for (int64_t t = t0; t < t1; ++t) {
-    const float* value_row = value_rows + t * D + first;
-    if (PREFETCH)
-      for (int64_t line = 0; line < D; line += 16) _mm_prefetch((const char*)(value_rows + (t + ATTENTION_PREFETCH) * D + line), _MM_HINT_T1);
-    const __m256 w0 = _mm256_set1_ps(score[0][t]), w1 = _mm256_set1_ps(score[1][t]), w2 = _mm256_set1_ps(score[2][t]);
-    for (int v = 0; v < V; ++v) {
-      const __m256 value = _mm256_loadu_ps(value_row + 8 * v);
-      acc[0][v] = _mm256_fmadd_ps(w0, value, acc[0][v]);
-      acc[1][v] = _mm256_fmadd_ps(w1, value, acc[1][v]);
-      acc[2][v] = _mm256_fmadd_ps(w2, value, acc[2][v]);
-    }
-  }
-  for (int r = 0; r < 3; ++r)
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(ctx[r] + first + 8 * v, acc[r][v]);
-}
 #else
 #define ATTENTION_TILE 0  // AVX-512: one task at a time, as before (its loads are a whole line per FMA; not measured)
 #endif
@@ -1155,12 +1144,12 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
   // position t0 reads that cache slot's value.
   const auto accumulate = [&](const AttentionTask& a, int64_t t0, int64_t t1, int64_t slot) {
 #if defined(__AVX512F__)
-    if (D == 128) return weighted_values<Lanes16, 8>(a.score, value_rows, D, 0, t0, t1, slot, a.ctx);
-    if (D == 64) return weighted_values<Lanes16, 4>(a.score, value_rows, D, 0, t0, t1, slot, a.ctx);
+    if (D == 128) return weighted_values<Lanes16, 1, 8>(&a.score, value_rows, D, 0, t0, t1, slot, &a.ctx);
+    if (D == 64) return weighted_values<Lanes16, 1, 4>(&a.score, value_rows, D, 0, t0, t1, slot, &a.ctx);
 #endif
     int64_t first = 0;
-    for (; first + 64 <= D; first += 64) weighted_values<Lanes8, 8>(a.score, value_rows, D, first, t0, t1, slot, a.ctx);
-    for (; first < D; first += 8) weighted_values<Lanes8, 1>(a.score, value_rows, D, first, t0, t1, slot, a.ctx);
+    for (; first + 64 <= D; first += 64) weighted_values<Lanes8, 1, 8>(&a.score, value_rows, D, first, t0, t1, slot, &a.ctx);
+    for (; first < D; first += 8) weighted_values<Lanes8, 1, 1>(&a.score, value_rows, D, first, t0, t1, slot, &a.ctx);
   };
   for (int64_t t0 = 0; t0 < widest; t0 += ATTENTION_BLOCK) {
     const auto end_of = [&](const AttentionTask& a) { return std::min(t0 + ATTENTION_BLOCK, a.prefix); };
@@ -1172,9 +1161,9 @@ static void attend(const AttentionTask* tasks, int64_t count, const float* key_r
         const float* scores[3] = {a[0].score, a[1].score, a[2].score};
         float* ctx[3] = {a[0].ctx, a[1].ctx, a[2].ctx};
         int64_t first = 0;
-        if (task == 0 && D >= 32) values3<4, true>(scores, value_rows, D, 0, t0, common, ctx), first = 32;
-        for (; first + 32 <= D; first += 32) values3<4, false>(scores, value_rows, D, first, t0, common, ctx);
-        for (; first < D; first += 8) values3<1, false>(scores, value_rows, D, first, t0, common, ctx);
+        if (task == 0 && D >= 32) weighted_values<Lanes8, 3, 4, true>(scores, value_rows, D, 0, t0, common, -1, ctx), first = 32;
+        for (; first + 32 <= D; first += 32) weighted_values<Lanes8, 3, 4>(scores, value_rows, D, first, t0, common, -1, ctx);
+        for (; first < D; first += 8) weighted_values<Lanes8, 3, 1>(scores, value_rows, D, first, t0, common, -1, ctx);
       }
       for (int r = 0; r < 3; ++r)
         if (std::max(t0, common) < end_of(a[r])) accumulate(a[r], std::max(t0, common), end_of(a[r]), -1);
