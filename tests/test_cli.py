@@ -221,7 +221,7 @@ def test_greedy_lm_head_option_reaches_every_decoder_and_keeps_the_text(tiny_ggu
 
 def test_target_dtype_serves_the_target_in_that_precision_with_the_same_text_either_way(tiny_gguf, capsys):
     from verispec.cli import _build_parser, target_dtype
-    from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx
+    from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, f32_panel_width
 
     for command in ("generate", "compare", "bench", "serve", "costs"):
         args = _build_parser().parse_args([command, "x"] if command in ("generate", "compare") else [command])
@@ -230,7 +230,10 @@ def test_target_dtype_serves_the_target_in_that_precision_with_the_same_text_eit
     common = ["generate", "--target", tiny_gguf, "--target-dtype", "bfloat16", "--max-new-tokens", "10", "--raw", "hello the"]
     assert main([*common, "--drafter", "none"]) == 0
     plain, err = capsys.readouterr()
-    kernels = ("panel (bfloat16 AMX tiles)" if bf16_uses_amx() else "panel (bfloat16 dot products)") if bf16_kernels_available() else "dense"
+    if bf16_kernels_available():  # AVX2 builds (16-column panels) widen the weights; AVX512-BF16 ones take dot products or tiles
+        kernels = "panel (bfloat16 AMX tiles)" if bf16_uses_amx() else "panel (bfloat16 dot products)" if f32_panel_width() > 16 else "panel (bfloat16 weights widened to float32)"
+    else:
+        kernels = "dense"
     assert f"target kernels: {kernels}" in err
     assert main([*common, "--drafter", "draft-model", "--draft", tiny_gguf]) == 0  # the draft stays float32 (int8)
     assert capsys.readouterr().out == plain
@@ -254,7 +257,7 @@ def test_target_dtype_bfloat16_without_the_kernels_runs_pytorchs_and_says_so(tin
         monkeypatch.setattr(module, "bf16_kernels_available", lambda: False)
     assert main([*common, "--drafter", "none"]) == 0
     plain, err = capsys.readouterr()
-    assert "target kernels: dense (this CPU or build lacks AVX512-BF16" in err
+    assert "target kernels: dense (this CPU or build lacks the bfloat16 few-row kernels" in err
     assert plain == dense
     assert main([*common, "--drafter", "draft-model", "--draft", tiny_gguf]) == 0
     assert capsys.readouterr().out == plain

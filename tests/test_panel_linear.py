@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from marks import needs_amx, needs_amx_int8, needs_bf16, needs_kernels
+from marks import needs_amx, needs_amx_int8, needs_bf16, needs_bf16_prompt_pieces, needs_kernels
 from tiny_models import noisy_copy, tiny_config, tiny_target
 from verispec import DraftModel, SpeculativeDecoder
 from verispec.models import panel_linear, quantize_int8
@@ -188,9 +188,9 @@ def tile_filling_model(dtype: torch.dtype):
     return quantize_int8(model) if dtype == torch.int8 else use_panel_kernels(model.to(dtype))
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.int8, marks=needs_amx_int8), pytest.param(torch.bfloat16, marks=needs_amx)])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.int8, marks=needs_amx_int8), pytest.param(torch.bfloat16, marks=needs_bf16_prompt_pieces)])
 def test_a_long_prompt_runs_the_fused_stack_in_pieces_on_amx_tiles(dtype):
-    # An int8 draft's or a bfloat16 target's 150-token prompt goes through the one-call stack as 128 +
+    # An int8 draft's or a bfloat16 target's (AMX tiles, or the AVX2 bfloat16 kernel) 150-token prompt goes through the one-call stack as 128 +
     # 22 rows. Every row's products and attention depend on that row alone, so its top-layer features
     # equal feeding the prompt 10 tokens at a time, bit for bit, and so do the caches after it.
     from verispec.engine.lean_lm import LeanDecoder, LeanLM
@@ -314,6 +314,16 @@ for rows in (1, 2, 3, 5, 9, 12, 13):
     torch.testing.assert_close(together.double(), reference, atol=2e-5, rtol=1e-5)
     # every row the same chain of FMAs however many come together (the prefix cache, branch rows)
     assert torch.equal(together, one_by_one(PanelLinear(linear), x)), rows
+# bfloat16 weights: the AVX2 kernel widens them to float32 (16-column panels, odd input width: the
+# last pair padded; 7 and 13 rows go in chunks of at most 6); each row the same chain of FMAs
+assert bf16_kernels_available() and pack_bf16_panels(torch.ones(3, 5).bfloat16(), f32_panel_width()).shape == (1, 3, 16, 2)
+bf16_linear = torch.nn.Linear(301, 37).bfloat16()
+for rows in (1, 2, 3, 6, 7, 13):
+    x = torch.randn(rows, 301)
+    reference = x.bfloat16().double() @ bf16_linear.weight.double().T + bf16_linear.bias.double()
+    together = PanelLinear(bf16_linear)(x)
+    torch.testing.assert_close(together.double(), reference, atol=1e-4, rtol=1e-5)
+    assert torch.equal(together, one_by_one(PanelLinear(bf16_linear), x)), rows
 # 75 outputs = 10 int8 panels: 1 or 2 rows (the kernel's; more go to fbgemm) take them in
 # side-by-side groups of 8 / 4 and a shorter last group; every row the same chain either way
 quantized = quantize_int8(torch.nn.Sequential(torch.nn.Linear(70, 75)))[0]
@@ -337,7 +347,7 @@ for step in ([20], [21, 22], [23]):
     torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
 print("ok")
 """
-    env = {**os.environ, "VERISPEC_NO_VNNI": "1", "VERISPEC_NO_AVX512": "1", "VERISPEC_CACHE": str(tmp_path), "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "VERISPEC_NO_VNNI": "1", "VERISPEC_NO_AVX512": "1", "VERISPEC_CACHE": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])}  # the code under test, e.g. a worktree's
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 

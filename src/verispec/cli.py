@@ -54,7 +54,7 @@ def _add_sampling_options(sub: argparse.ArgumentParser) -> None:
 TARGET_DTYPES = ("float32", "bfloat16")
 
 
-SERVED_DTYPE_HELP = "the precision the target is loaded and served in: float32 (default) or bfloat16 (half the bytes per step; on CPUs with AVX512-BF16 its products run our bfloat16 few-row kernels, elsewhere PyTorch's). The output is exactly this target's either way, and speed-ups compare against plain decoding of the same target"
+SERVED_DTYPE_HELP = "the precision the target is loaded and served in: float32 (default) or bfloat16 (half the bytes per step; its products run our bfloat16 few-row kernels on CPUs with AVX512-BF16 or with AVX2 and no AVX-512, elsewhere PyTorch's). The output is exactly this target's either way, and speed-ups compare against plain decoding of the same target"
 
 
 def add_target_dtype_option(sub: argparse.ArgumentParser, help_text: str = SERVED_DTYPE_HELP) -> None:
@@ -172,14 +172,14 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
     if kernels != "dense":
         use_gqa_attention(target.model)
     if kernels != "dense" and target.model.dtype == torch.bfloat16:
-        from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx
+        from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, f32_panel_width
 
-        if bf16_kernels_available():  # twice float32's multiply-adds per instruction, half the bytes: no contest to time
+        if bf16_kernels_available():  # half the bytes (and with AVX512-BF16 twice float32's multiply-adds per instruction): no contest to time
             use_panel_kernels(target.model)
-            how = "AMX tiles" if bf16_uses_amx() else "dot products"
+            how = "AMX tiles" if bf16_uses_amx() else "dot products" if f32_panel_width() > 16 else "weights widened to float32"  # (16: the AVX2 build)
             used = f"panel (bfloat16 {how})" + (" instead of packed (oneDNN packing here is float32 only)" if kernels == "packed" else "")
         else:
-            used = "dense (this CPU or build lacks AVX512-BF16 for the bfloat16 few-row kernels)"
+            used = "dense (this CPU or build lacks the bfloat16 few-row kernels: AVX512-BF16, or AVX2 without AVX-512)"
         print(f"verispec: target kernels: {used}", file=sys.stderr)
     elif kernels != "dense" and target.model.dtype != torch.float32:
         used = f"dense (the target is {target.model.dtype}; the few-row kernels are float32 or bfloat16)"

@@ -287,6 +287,52 @@ static inline __attribute__((always_inline)) void bf16_rows(const uint32_t* x, i
 static void bf16_chunk_rows(int rows, const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
   with_rows(rows, [&](auto count) { bf16_rows<decltype(count)::value>(x, K2, panel, out, k0, k1); });
 }
+#define BF16_MAX_ROWS MAX_CHUNK_ROWS
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define BF16 1
+// bfloat16 weights without bfloat16 products (AVX2): the same layout at this build's panel width,
+// [ceil(N/16)][ceil(K/2)][16][2], one 64-byte line per k pair. A bfloat16 is the top half of a
+// float32, so widening is exact and costs one shift (the even k of each pair) or one mask (the odd
+// k) per 8 weights; the products are float32 FMAs, even k then odd k into each output's one chain,
+// so as above every row's sums are the same operations whatever the number of rows. Why: PyTorch
+// ran a bfloat16 target's products here at 165 ms for a 1-token step and 515 ms for a 4-token
+// pass (Zen 4 without AVX-512, 300 cached tokens), so speculation could not pay; these stream half
+// the float32 panels' bytes. x comes as bf16 pairs, rounded as for vdpbf16ps, each pair broadcast
+// from memory and widened in the vector unit as the weights are (scalar shifts, a move and a
+// register broadcast per row cost 4-row passes 109 against 78 ms for 1 row).
+// Sums of up to F32_MAX_ROWS rows: the even half's two weight vectors and one broadcast live at a
+// time, then the odd half's.
+template <int ROWS>
+static inline __attribute__((always_inline)) void bf16_rows(const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
+  __m256 acc[2][ROWS];
+  start_sums<ROWS>(acc, out, k0);
+  const __m256i odd_half = _mm256_set1_epi32((int)0xffff0000u);
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint16_t* line = panel + k * 2 * F32_PANEL;
+    _mm_prefetch((const char*)line + PREFETCH_BYTES, _MM_HINT_T2);
+    const __m256i w0 = _mm256_loadu_si256((const __m256i*)line), w1 = _mm256_loadu_si256((const __m256i*)(line + F32_PANEL));
+    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), even1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    for (int m = 0; m < ROWS; ++m) {
+      const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi32((int)x[m * K2 + k]), 16));
+      acc[0][m] = _mm256_fmadd_ps(even0, b, acc[0][m]);
+      acc[1][m] = _mm256_fmadd_ps(even1, b, acc[1][m]);
+    }
+    const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(w0, odd_half)), odd1 = _mm256_castsi256_ps(_mm256_and_si256(w1, odd_half));
+    for (int m = 0; m < ROWS; ++m) {
+      const __m256 b = _mm256_castsi256_ps(_mm256_and_si256(_mm256_set1_epi32((int)x[m * K2 + k]), odd_half));
+      acc[0][m] = _mm256_fmadd_ps(odd0, b, acc[0][m]);
+      acc[1][m] = _mm256_fmadd_ps(odd1, b, acc[1][m]);
+    }
+  }
+  store_sums<ROWS>(acc, out);
+}
+
+static void bf16_chunk_rows(int rows, const uint32_t* x, int64_t K2, const uint16_t* panel, float* out, int64_t k0, int64_t k1) {
+  with_rows(rows, [&](auto count) {
+    if constexpr (decltype(count)::value <= F32_MAX_ROWS) bf16_rows<decltype(count)::value>(x, K2, panel, out, k0, k1);
+  });
+}
+#define BF16_MAX_ROWS F32_MAX_ROWS
 #else
 #define BF16 0
 #endif
@@ -604,16 +650,29 @@ enum WeightKind { F32_WEIGHTS = 0, INT8_WEIGHTS = 1, BF16_WEIGHTS = 2 };
 // even as PyTorch's .to(torch.bfloat16) rounds (finite values), an odd K padded with a zero.
 static void bf16_pairs(const float* x, int64_t M, int64_t K, uint32_t* pairs) {
   const int64_t K2 = (K + 1) / 2;
+#if defined(__AVX512F__)
   const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+#else
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+#endif
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
     uint16_t* out = (uint16_t*)(pairs + m * K2);
     int64_t k = 0;
+#if defined(__AVX512F__)
     for (; k + 16 <= K; k += 16) {
       __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(row + k));
       bits = _mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
       _mm256_storeu_si256((__m256i*)(out + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
     }
+#else
+    const auto rounded = [&](const float* from) {  // 8 floats' bfloat16 bits, in the low halves
+      const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(from));
+      return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(bits, 16), one))), 16);
+    };
+    for (; k + 16 <= K; k += 16)  // packus interleaves the two halves' 128-bit lanes; the permute restores the order
+      _mm256_storeu_si256((__m256i*)(out + k), _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded(row + k), rounded(row + k + 8)), 0xD8));
+#endif
     for (; k < K; ++k) {
       uint32_t bits;
       memcpy(&bits, row + k, 4);
@@ -655,7 +714,7 @@ static void panel_linear_for(const float* x, int64_t M, const Weight& w, float* 
       return;
     }
 #endif
-    for_panel_chunks<F32_PANEL, MAX_CHUNK_ROWS, float, ACCUMULATE, F32_K_BLOCK>(
+    for_panel_chunks<F32_PANEL, BF16_MAX_ROWS, float, ACCUMULATE, F32_K_BLOCK>(
         M, N, K2, y, ldy,
         [&](int rows, int64_t m0, int64_t p, float* out, int64_t k0, int64_t k1) {
           bf16_chunk_rows(rows, pairs + m0 * K2, K2, (const uint16_t*)w.packed + p * panel_words, out, k0, k1);
@@ -1494,7 +1553,7 @@ void verispec_memory_attention(const float* query, int64_t kv_heads, int64_t gro
   free(scores);
 }
 
-// 1 where built with AVX512-BF16: verispec_panel_linear_bf16 runs.
+// 1 where built with AVX512-BF16 (dot products) or AVX2 without AVX-512 (widened to float32): verispec_panel_linear_bf16 runs.
 int verispec_has_bf16(void) { return BF16; }
 
 // 1 while products run on AMX tiles (bfloat16 ones where built with AMX-BF16, int8 ones with AMX-INT8).
@@ -1529,7 +1588,7 @@ int verispec_use_amx(int enable) {
 }
 
 // y [M, N] (float32) = x [M, K2 pairs] (bf16, K padded to even with zeros) . W^T + bias, W packed as
-// bf16_rows reads it. A no-op where built without AVX512-BF16 (verispec_has_bf16 says so first).
+// bf16_rows reads it. A no-op where built without bfloat16 kernels (verispec_has_bf16 says so first).
 void verispec_panel_linear_bf16(const uint32_t* x, int64_t M, int64_t K2, const uint16_t* packed, int64_t N, const float* bias,
                                 float* y, int num_threads) {
 #if BF16

@@ -76,7 +76,7 @@ MAX_KERNEL_ROWS = 128
 MAX_INT8_KERNEL_ROWS = 2
 # With 8-bit dot products (VNNI) the int8 kernel stays memory-bound over more rows.
 MAX_VNNI_KERNEL_ROWS = 16
-BF16_PANEL_WIDTH = 32  # output columns per bfloat16 panel (the AVX-512 float32 panel width)
+BF16_PANEL_WIDTH = 32  # output columns per bfloat16 panel with AVX-512 (the kernels take their float32 panel width: f32_panel_width)
 
 
 def _compiler() -> str | None:
@@ -208,7 +208,8 @@ def pack_vnni_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bf16_kernels_available() -> bool:
-    """Whether bfloat16 weights run the panel kernels here (built with AVX512-BF16 dot products)."""
+    """Whether bfloat16 weights run the panel kernels here: AVX512-BF16 dot products, or on AVX2
+    without AVX-512 float32 FMAs on weights widened in registers (exact: a bfloat16 is a float32's top half)."""
     return panel_kernels_unavailable_reason() is None and bool(panel_library().verispec_has_bf16())
 
 
@@ -235,13 +236,16 @@ def int8_uses_amx() -> bool:
     return _amx_runs(2)
 
 
-def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
-    """bfloat16 ``weight`` # [out, in] as panels # [ceil(out/32), ceil(in/2), 32, 2] (element i of
-    column n of panel p in pair g is weight[32p + n, 2g + i]; padding is zero): one 128-byte line
-    per pair of inputs, what ``vdpbf16ps`` multiplies by a broadcast pair of activations."""
+def pack_bf16_panels(weight: torch.Tensor, width: int = BF16_PANEL_WIDTH) -> torch.Tensor:
+    """bfloat16 ``weight`` # [out, in] as panels # [ceil(out/width), ceil(in/2), width, 2] (element i
+    of column n of panel p in pair g is weight[width·p + n, 2g + i]; padding is zero): one line per
+    pair of inputs (128 bytes at width 32, what ``vdpbf16ps`` multiplies by a broadcast pair of
+    activations; 64 at 16, the AVX2 kernel's). The kernels read panels of :func:`f32_panel_width`."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16:
         raise ValueError(f"weight must be a 2-D bfloat16 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
-    return _panels(weight, 2, BF16_PANEL_WIDTH)
+    if width <= 0:
+        raise ValueError(f"width must be positive, got {width}")
+    return _panels(weight, 2, width)
 
 
 def pack_panels(weight: torch.Tensor, width: int = PANEL_WIDTH) -> torch.Tensor:
@@ -258,7 +262,7 @@ class PanelLinear(nn.Module):
     """A float32 ``nn.Linear`` (or :class:`PackedLinear`) or an int8 dynamic linear whose products
     over at most ``MAX_KERNEL_ROWS`` (int8: ``MAX_INT8_KERNEL_ROWS``) rows run the panel kernels;
     more rows, gradients or other dtypes go to the layer it was built from. A bfloat16 ``nn.Linear``
-    (a bfloat16 target) runs the AVX512-BF16 kernel where the CPU has it (ValueError otherwise),
+    (a bfloat16 target) runs the bfloat16 kernel where the CPU has one (AVX512-BF16, or AVX2 without AVX-512; ValueError otherwise),
     half the bytes and twice the multiply-adds per instruction of float32. Float layers keep
     ``weight``/``bias`` as they were (state_dict keys unchanged); the packed panels are a second
     copy of the weight.
@@ -289,13 +293,13 @@ class PanelLinear(nn.Module):
             raise ValueError(f"PanelLinear takes a float32 or bfloat16 nn.Linear or an int8 dynamic linear, got {type(source).__name__}")
         self.is_bf16 = rows.dtype == torch.bfloat16
         if self.is_bf16 and not bf16_kernels_available():
-            raise ValueError("bfloat16 weights need the AVX512-BF16 panel kernels, which this CPU or build lacks")
+            raise ValueError("bfloat16 weights need the bfloat16 panel kernels (AVX512-BF16, or AVX2 without AVX-512), which this CPU or build lacks")
         self.kernel_bias = None if bias is None else bias.detach().float().contiguous()
         self.chunk_long_passes = chunk_long_passes and not self.is_int8
         panel_library()  # build or load now: a failure shows at model preparation, not mid-generation
         self.colsum = None
         if self.is_bf16:
-            self.packed, self.max_kernel_rows = pack_bf16_panels(rows), MAX_KERNEL_ROWS
+            self.packed, self.max_kernel_rows = pack_bf16_panels(rows, f32_panel_width()), MAX_KERNEL_ROWS
         elif self.is_int8 and int8_uses_vnni():
             self.packed, self.colsum = pack_vnni_panels(rows)  # [ceil(out/8), ceil(in/4), 8, 4], [out]
             # On AMX tiles a pass over many rows streams the weight once per 16 rows: a draft's
