@@ -295,8 +295,8 @@ static void bf16_chunk_rows(int rows, const uint32_t* x, int64_t K2, const uint1
 // float32, so widening is exact and costs one shift (the even k of each pair) or one mask (the odd
 // k) per 8 weights; the products are float32 FMAs, even k then odd k into each output's one chain,
 // so as above every row's sums are the same operations whatever the number of rows. Why: PyTorch
-// ran a bfloat16 target's products here at 165 ms for a 1-token step and 515 ms for a 4-token
-// pass (Zen 4 without AVX-512, 300 cached tokens), so speculation could not pay; these stream half
+// ran a bfloat16 target's products here at 139-165 ms for a 1-token step and 443-545 ms for a
+// 4-token pass (Zen 4 without AVX-512, 300 cached tokens), so speculation could not pay; these stream half
 // the float32 panels' bytes. x comes as bf16 pairs, rounded as for vdpbf16ps, each pair broadcast
 // from memory and widened in the vector unit as the weights are (scalar shifts, a move and a
 // register broadcast per row cost 4-row passes 109 against 78 ms for 1 row).

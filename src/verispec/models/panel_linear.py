@@ -263,7 +263,7 @@ class PanelLinear(nn.Module):
     over at most ``MAX_KERNEL_ROWS`` (int8: ``MAX_INT8_KERNEL_ROWS``) rows run the panel kernels;
     more rows, gradients or other dtypes go to the layer it was built from. A bfloat16 ``nn.Linear``
     (a bfloat16 target) runs the bfloat16 kernel where the CPU has one (AVX512-BF16, or AVX2 without AVX-512; ValueError otherwise),
-    half the bytes and twice the multiply-adds per instruction of float32. Float layers keep
+    half the bytes of float32 (and with AVX512-BF16 twice the multiply-adds per instruction). Float layers keep
     ``weight``/``bias`` as they were (state_dict keys unchanged); the packed panels are a second
     copy of the weight.
 
