@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, f32_panel_width, int8_uses_amx, panel_kernels_unavailable_reason
+from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, bf16_widened, int8_uses_amx, panel_kernels_unavailable_reason
 
 # Bit-identical rows need the panel kernels (one chain of FMAs per output, AVX-512 or AVX2).
 needs_kernels = pytest.mark.skipif(panel_kernels_unavailable_reason() is not None, reason=f"panel kernels: {panel_kernels_unavailable_reason()}")
@@ -22,6 +22,6 @@ needs_amx_int8 = pytest.mark.skipif(
 # Prompts of a bfloat16 target through the one-call stack in pieces: where its products run AMX
 # tiles, or the AVX2 kernel (16-column panels) that beats PyTorch's emulated bfloat16 products.
 needs_bf16_prompt_pieces = pytest.mark.skipif(
-    not (bf16_uses_amx() or (panel_kernels_unavailable_reason() is None and bf16_kernels_available() and f32_panel_width() == 16)),
+    not (bf16_uses_amx() or bf16_widened()),
     reason="bfloat16 prompts go through the kernels in pieces only on AMX tiles or the AVX2 bfloat16 kernel",
 )

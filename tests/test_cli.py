@@ -221,7 +221,7 @@ def test_greedy_lm_head_option_reaches_every_decoder_and_keeps_the_text(tiny_ggu
 
 def test_target_dtype_serves_the_target_in_that_precision_with_the_same_text_either_way(tiny_gguf, capsys):
     from verispec.cli import _build_parser, target_dtype
-    from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, f32_panel_width
+    from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, bf16_widened
 
     for command in ("generate", "compare", "bench", "serve", "costs"):
         args = _build_parser().parse_args([command, "x"] if command in ("generate", "compare") else [command])
@@ -231,7 +231,7 @@ def test_target_dtype_serves_the_target_in_that_precision_with_the_same_text_eit
     assert main([*common, "--drafter", "none"]) == 0
     plain, err = capsys.readouterr()
     if bf16_kernels_available():  # AVX2 builds (16-column panels) widen the weights; AVX512-BF16 ones take dot products or tiles
-        kernels = "panel (bfloat16 AMX tiles)" if bf16_uses_amx() else "panel (bfloat16 dot products)" if f32_panel_width() > 16 else "panel (bfloat16 weights widened to float32)"
+        kernels = "panel (bfloat16 AMX tiles)" if bf16_uses_amx() else "panel (bfloat16 weights widened to float32)" if bf16_widened() else "panel (bfloat16 dot products)"
     else:
         kernels = "dense"
     assert f"target kernels: {kernels}" in err

@@ -299,7 +299,7 @@ def test_the_avx2_paths_run_on_any_avx2_machine(tmp_path):
     code = """
 import torch
 from verispec.models import quantize_int8
-from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, bf16_kernels_available, pack_bf16_panels, PanelLinear, f32_panel_width, int8_uses_vnni
+from verispec.models.panel_linear import MAX_INT8_KERNEL_ROWS, bf16_widened, pack_bf16_panels, PanelLinear, f32_panel_width, int8_uses_vnni
 from verispec.engine.lean_lm import LeanDecoder, LeanLM
 from tiny_models import tiny_target
 assert not int8_uses_vnni() and f32_panel_width() == 16
@@ -316,7 +316,7 @@ for rows in (1, 2, 3, 5, 9, 12, 13):
     assert torch.equal(together, one_by_one(PanelLinear(linear), x)), rows
 # bfloat16 weights: the AVX2 kernel widens them to float32 (16-column panels, odd input width: the
 # last pair padded; 7 and 13 rows go in chunks of at most 6); each row the same chain of FMAs
-assert bf16_kernels_available() and pack_bf16_panels(torch.ones(3, 5).bfloat16(), f32_panel_width()).shape == (1, 3, 16, 2)
+assert bf16_widened() and pack_bf16_panels(torch.ones(3, 5).bfloat16(), f32_panel_width()).shape == (1, 3, 16, 2)
 bf16_linear = torch.nn.Linear(301, 37).bfloat16()
 for rows in (1, 2, 3, 6, 7, 13):
     x = torch.randn(rows, 301)

@@ -172,11 +172,11 @@ def _prepare_models(args: argparse.Namespace, target, draft) -> str:  # noqa: AN
     if kernels != "dense":
         use_gqa_attention(target.model)
     if kernels != "dense" and target.model.dtype == torch.bfloat16:
-        from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, f32_panel_width
+        from verispec.models.panel_linear import bf16_kernels_available, bf16_uses_amx, bf16_widened
 
         if bf16_kernels_available():  # half the bytes (and with AVX512-BF16 twice float32's multiply-adds per instruction): no contest to time
             use_panel_kernels(target.model)
-            how = "AMX tiles" if bf16_uses_amx() else "dot products" if f32_panel_width() > 16 else "weights widened to float32"  # (16: the AVX2 build)
+            how = "AMX tiles" if bf16_uses_amx() else "weights widened to float32" if bf16_widened() else "dot products"
             used = f"panel (bfloat16 {how})" + (" instead of packed (oneDNN packing here is float32 only)" if kernels == "packed" else "")
         else:
             used = "dense (this CPU or build lacks the bfloat16 few-row kernels: AVX512-BF16, or AVX2 without AVX-512)"

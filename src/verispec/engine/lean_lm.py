@@ -40,7 +40,7 @@ from verispec.models.rotary import apply_rotary, rotary_cos_sin
 from verispec.engine.cached_lm import Branch, CachedLM, ForwardOutput, checked_branches
 from verispec.engine.kv_cache import LayerKVCache, RowLog, causal_mask_after
 from verispec.engine.prefix_cache import PrefixCache, start_sequence
-from verispec.models.panel_linear import PanelLinear, bf16_kernels_available, bf16_uses_amx, f32_panel_width, int8_uses_amx, panel_library, panel_or_same
+from verispec.models.panel_linear import PanelLinear, bf16_kernels_available, bf16_uses_amx, bf16_widened, int8_uses_amx, panel_library, panel_or_same
 from verispec.models.quantize import is_quantized, stacked_linear
 from verispec.models.screened_head import ScreenedArgmaxHead
 
@@ -344,7 +344,7 @@ class _FusedStack:
         # PyTorch's bfloat16 products (README, Performance). So do bfloat16 products on the AVX2
         # kernels, where PyTorch's are emulated: a 150 / 400-token prompt 5.2 / 13.8 s against
         # 11.7 / 30.6 s (Zen 4 without AVX-512). Float32 passes keep the product --target-kernels auto timed.
-        self.chunks_long_passes = (self.is_int8 and int8_uses_amx()) or (products[0].is_bf16 and (bf16_uses_amx() or f32_panel_width() == 16))
+        self.chunks_long_passes = (self.is_int8 and int8_uses_amx()) or (products[0].is_bf16 and (bf16_uses_amx() or bf16_widened()))
         intermediate = decoder.layers[0].down_proj.in_features
         first = decoder.layers[0]
         self.dims = (ctypes.c_int64 * 8)(

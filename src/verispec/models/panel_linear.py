@@ -213,6 +213,13 @@ def bf16_kernels_available() -> bool:
     return panel_kernels_unavailable_reason() is None and bool(panel_library().verispec_has_bf16())
 
 
+def bf16_widened() -> bool:
+    """Whether bfloat16 products here run the AVX2 kernel (weights widened to float32, float32 FMAs;
+    the build without AVX-512, whose float32 panels are 16 columns wide) rather than AVX512-BF16 dot
+    products or AMX tiles; False without bfloat16 kernels."""
+    return bf16_kernels_available() and f32_panel_width() == 16
+
+
 def use_amx(enable: bool) -> bool:
     """Run products on AMX tiles (the default where the kernels were built with them: bfloat16 and
     int8 products) or on dot products (AVX512-BF16, VNNI); returns whether AMX runs now. For
