@@ -227,7 +227,7 @@ def test_int8_head_is_a_quantised_copy_and_stays_exact(target, monkeypatch, nati
     assert type(head.fc) is torch.nn.Linear  # the caller's head is untouched
     assert "quantized" in type(drafter.head.q_proj).__module__ and "quantized" in type(drafter._lm_head).__module__
     # fc keeps float32 weights (see the next test); its products run in bfloat16 where the CPU has them natively
-    assert type(drafter.head.fc) is (MixedPrecisionLinear if native_bf16 else torch.nn.Linear) and drafter.head.fc is not head.fc
+    assert type(drafter.head.fc) is MixedPrecisionLinear and drafter.head.fc.bf16_rest is native_bf16 and drafter.head.fc is not head.fc
     torch.testing.assert_close(drafter.head.fc.weight, head.fc.weight, rtol=0, atol=0)
     decoder = SpeculativeDecoder(target, drafter, gamma=4)
     prompt = [9, 8, 7, 6]
@@ -322,6 +322,38 @@ def test_head_advances_many_sequences_as_each_alone(target, far_memory):
         head.advance_many([features[0], torch.randn(0, hidden)], embeds[:2], caches[:2])
     with pytest.raises(ValueError, match="one far_memory entry per sequence: 2 for 3"):
         head.advance_many(features, embeds, caches, [None, None])
+
+
+@pytest.mark.parametrize("far_memory", FAR_MEMORY_MIXES)
+def test_keys_values_appended_alone_are_what_a_head_step_caches(target, far_memory):
+    # The parallel drafter's corrector only reads its cache: its catch-up appends keys and values
+    # and predicts nothing. The cache must hold what advance_many's steps cache (rotated at the
+    # rows' positions as trained, unrotated with far memory), so later steps read the same context.
+    head = fresh_head(target)
+    hidden = target.config.hidden_size
+    configs = far_memory or [None] * 3
+    stepped, appended = [], []
+    for length, config in zip((3, 1, 6), configs):
+        prefix = (torch.randn(1, length, hidden), torch.randn(1, length, hidden))
+        for store in (stepped, appended):
+            store.append(LayerKVCache())
+            head(*prefix, start=0, cache=store[-1], far_memory=config)
+    features = [torch.randn(count, hidden) for count in (1, 3, 2)]
+    embeds = [torch.randn(count, hidden) for count in (1, 3, 2)]
+    head.advance_many(features, embeds, stepped, far_memory)
+    assert head.append_keys_values(features, embeds, appended, far_memory) is None
+    for by_step, by_append in zip(stepped, appended):
+        assert by_append.length == by_step.length
+        torch.testing.assert_close(by_append.keys[:, : by_step.length], by_step.keys[:, : by_step.length], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(by_append.values[:, : by_step.length], by_step.values[:, : by_step.length], atol=1e-6, rtol=1e-6)
+    rows = torch.randn(2, hidden), torch.randn(2, hidden)
+    next_steps = [head(rows[0][None], rows[1][None], start=cache.length, cache=cache, far_memory=config) for cache, config in zip(stepped + appended, configs + configs)]
+    for by_step, by_append in zip(next_steps[:3], next_steps[3:]):
+        torch.testing.assert_close(by_append, by_step, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one cache and 1\\+ rows"):
+        head.append_keys_values(features, embeds, appended[:2])
+    with pytest.raises(ValueError, match="one far_memory entry per sequence: 2 for 3"):
+        head.append_keys_values(features, embeds, appended, [None, None])
 
 
 @pytest.mark.parametrize("quantize", [False, True])

@@ -503,6 +503,29 @@ def test_mixed_precision_linear_multiplies_in_bfloat16_but_its_float32_columns()
         MixedPrecisionLinear(linear, float32_columns=13)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 10, 200])
+def test_mixed_precision_linear_without_bfloat16_is_the_float32_layer_by_parts(rows):
+    # Where bfloat16 products are emulated, fc stays float32 and runs by its two column parts, each
+    # through our few-row kernels where they run (PyTorch's product past their rows): the same
+    # layer up to float32 summation order, its parts as linear_columns gives them.
+    from verispec.models.panel_linear import PanelLinear, panel_kernels_unavailable_reason
+    from verispec.models.quantize import MixedPrecisionLinear, linear_columns
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 20)
+    split = MixedPrecisionLinear(linear, float32_columns=16, bf16_rest=False)
+    assert split.weight_rest_part.dtype == torch.float32
+    if panel_kernels_unavailable_reason() is None:
+        assert all(type(part) is PanelLinear for part in split._float32_products)
+    x = 30 * torch.randn(rows, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(split(x), linear(x), rtol=1e-5, atol=1e-4)
+        first, rest = linear_columns(split, x[:, :16], slice(0, 16)), linear_columns(split, x[:, 16:], slice(16, None))
+        torch.testing.assert_close(first, x[:, :16] @ linear.weight[:, :16].T, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(rest, x[:, 16:] @ linear.weight[:, 16:].T, rtol=1e-5, atol=1e-4)
+    assert split.state_dict().keys() == linear.state_dict().keys()  # the parts and their kernels' copies are not saved
+
+
 def test_native_bf16_products_can_be_switched_off(monkeypatch):
     from verispec.models.quantize import native_bf16_products
 

@@ -112,6 +112,36 @@ def test_cached_drafting_blocks_equal_the_training_computation(target, num_layer
         head.encode_context(features[:, :1], embeds[:, :1], start=3, caches=caches)
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("mode", [None, "local", "fold"])
+def test_last_only_catch_up_gives_the_last_output_and_the_same_caches(target, mode, num_layers):
+    # A round's (and a prompt's) catch-up reads only the last row's output, the anchor: a one-layer
+    # head gives the other rows keys and values only. The anchor and every cache must be what the
+    # full catch-up leaves, so the next block (and the next catch-up) is unchanged.
+    from verispec.drafters.far_memory import FarMemoryConfig
+
+    head = parallel_head(target, block_size=3, num_layers=num_layers, seed=2)
+    hidden = target.config.hidden_size
+    far_memory = None if mode is None else FarMemoryConfig(mode, local_window=3, memory_temperature=0.5, memory_weight=2.0)
+    generator = torch.Generator().manual_seed(3)
+    features, embeds = torch.randn(1, 12, hidden, generator=generator), torch.randn(1, 12, hidden, generator=generator)
+    full_caches, lean_caches = [LayerKVCache() for _ in head.layers], [LayerKVCache() for _ in head.layers]
+    for first, end in ((0, 1), (1, 8), (8, 12)):  # a one-row prompt, then catch-ups of 7 and 4 rows
+        _, full = head.encode_context(features[:, first:end], embeds[:, first:end], first, full_caches, far_memory=far_memory)
+        context, lean = head.encode_context(features[:, first:end], embeds[:, first:end], first, lean_caches, far_memory=far_memory, last_only=True)
+        assert lean.shape == (1, 1, hidden)
+        torch.testing.assert_close(lean, full[:, -1:], atol=1e-5, rtol=1e-5)
+        for full_cache, lean_cache in zip(full_caches, lean_caches):
+            assert lean_cache.length == full_cache.length == end
+            torch.testing.assert_close(lean_cache.keys[:, :end], full_cache.keys[:, :end], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(lean_cache.values[:, :end], full_cache.values[:, :end], atol=1e-6, rtol=1e-6)
+    blocks = [head.draft_block([cached(cache) for cache in caches], anchor[:, -1], torch.tensor([12]), far_memory=far_memory) for caches, anchor in ((full_caches, full), (lean_caches, lean))]
+    torch.testing.assert_close(blocks[1], blocks[0], atol=1e-5, rtol=1e-5)
+    assert len(context) == num_layers
+    with pytest.raises(ValueError, match="last_only"):
+        head.encode_context(features, embeds, last_only=True)
+
+
 @pytest.mark.parametrize("slot_input", ["fc", "add"])
 def test_a_known_slot_changes_its_neighbours_only_through_attention(target, slot_input):
     head = parallel_head(target, block_size=3, slot_input=slot_input)
@@ -286,10 +316,11 @@ def test_int8_head_is_a_quantised_copy_and_stays_exact(target):
 @pytest.mark.parametrize(("correction", "block_passes", "catch_up_passes"), [(False, 1, 1), (True, 2, 1), ("eagle", 2, 2)])
 def test_one_block_pass_per_round_plus_one_for_correction(target, correction, block_passes, catch_up_passes):
     head, corrector = parallel_head(target, block_size=4), fresh_head(target) if correction == "eagle" else None
-    calls = []
-    hooks = [head.layers[0].register_forward_hook(lambda *args: calls.append(1))]  # one per head pass
+    calls, predictions = [], []
+    hooks = [head.layers[0].input_norm.register_forward_hook(lambda *args: calls.append(1))]  # one per head pass (a catch-up needs no more than the layer's projections)
     if corrector is not None:  # one per corrector call: its catch-up, its batched pair-fit steps
-        hooks.append(corrector.o_proj.register_forward_hook(lambda *args: calls.append(1)))
+        hooks.append(corrector.fc.register_forward_hook(lambda *args: calls.append(1)))
+        hooks.append(corrector.o_proj.register_forward_hook(lambda *args: predictions.append(1)))  # the catch-up caches keys/values only
     try:
         session = ParallelDrafter(target, head, candidates=3, correction=bool(correction), corrector=corrector).start([1, 2, 3, 4], SamplingParams())
         with torch.no_grad():
@@ -300,6 +331,7 @@ def test_one_block_pass_per_round_plus_one_for_correction(target, correction, bl
         calls.clear()
         again = session.propose(DraftContext([1, 2, 3, 4, 5, 6], features[3:5], 3), 4, torch.Generator())
         assert again.num_forward_passes == len(calls) == catch_up_passes + block_passes
+        assert len(predictions) == (2 if corrector is not None else 0)  # one pair fit a round, no catch-up prediction
         calls.clear()
         nothing_new = session.propose(DraftContext([1, 2, 3, 4, 5, 6]), 4, torch.Generator())
         assert nothing_new.num_forward_passes == len(calls) == block_passes  # no catch-up without new features
@@ -738,7 +770,7 @@ def test_proposal_cost_times_drafting_only(target):
 
     head = parallel_head(target, block_size=4)
     calls = []
-    hook = head.layers[0].register_forward_hook(lambda *args: calls.append(1))
+    hook = head.layers[0].input_norm.register_forward_hook(lambda *args: calls.append(1))  # one per head pass
     try:
         seconds = proposal_cost(ParallelDrafter(target, head, correction=False), context_tokens=20, num_drafts=4, repeats=3)
     finally:

@@ -196,6 +196,35 @@ class EagleHead(nn.Module):
             context[0, :, s : s + 1] = self._far_memory_context(query[0, :, s : s + 1], key[0, :, own], value[0, :, own], caches[s], far_memory[s])
         return self._finish(hidden[:, last], context)[0]
 
+    def append_keys_values(
+        self,
+        features: list[torch.Tensor],  # each [n_s, hidden]: f_i of sequence s's new rows
+        next_embeds: list[torch.Tensor],  # each [n_s, hidden]: embed(x_{i+1}) of those rows
+        caches: list[LayerKVCache],  # one per sequence
+        far_memory: list[FarMemoryConfig | None] | None = None,  # per sequence, what its cache is filled with; None: all as trained
+    ) -> None:
+        """Cache each sequence's new rows' keys and values, predicting nothing: what a head whose
+        cache is only READ later needs (the parallel drafter's corrector, whose pair-fit steps
+        attend to the cache but never continue from its last row). The keys and values equal
+        those :meth:`forward` with ``last_only`` and :meth:`advance_many` cache (rotated at
+        their positions, or unrotated where ``far_memory`` changes attention), but no row gets a
+        query, attention or MLP: a round's catch-up reads fc and the key/value projections (~5 MB
+        of int8 weights for the 1.5B target) instead of the whole layer (~45 MB). fc runs once
+        over every sequence's rows, CATCH_UP_CHUNK rows at a time."""
+        if not len(features) == len(next_embeds) == len(caches) or any(len(f) == 0 or len(f) != len(e) for f, e in zip(features, next_embeds)):
+            raise ValueError(f"append_keys_values takes one cache and 1+ rows of features and embeddings per sequence: {len(features)} / {len(next_embeds)} / {len(caches)}")
+        if far_memory is not None and len(far_memory) != len(caches):
+            raise ValueError(f"append_keys_values takes one far_memory entry per sequence: {len(far_memory)} for {len(caches)}")
+        _, _, key, value = self._last_row_inputs(torch.cat(features)[None], torch.cat(next_embeds)[None], None)  # [1, kv_heads, N, head_dim] unrotated
+        first = 0
+        for cache, rows, config in zip(caches, features, far_memory or [None] * len(caches)):
+            own = slice(first, first + len(rows))
+            own_key = key[0, :, own]
+            if config is None or not config.changes_attention:  # a far-memory cache holds unrotated keys
+                own_key = apply_rotary(own_key, *self._rope(cache.length, cache.length + len(rows), key.device))
+            cache.append(own_key, value[0, :, own])
+            first = own.stop
+
     def _far_memory_context(
         self,
         query: torch.Tensor,  # [heads, q, head_dim] unrotated: the last q of the new rows

@@ -53,7 +53,7 @@ def accepted_from_every_start(
     corrector_context = None
     if drafter.corrector is not None:  # its keys/values of every context row, as its cached catch-up holds them
         corrector_cache = LayerKVCache()
-        drafter.corrector(context_features, embeds, cache=corrector_cache, last_only=True)
+        drafter.corrector.append_keys_values([context_features[0]], [embeds[0]], [corrector_cache])
         corrector_context = cached(corrector_cache)
     rows = torch.arange(num_tokens - 1)
     skipped = min(first_row, num_tokens - 2)

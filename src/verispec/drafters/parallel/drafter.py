@@ -348,8 +348,9 @@ class ParallelSession:
         call of the head (and one of the corrector) and draft their blocks, and correct them, in one
         :func:`draft_paths` call, each row attending to its own session's caches
         (:class:`~verispec.drafters.shared_prefix.SequencePrefixes`). Why: alone a corrected round
-        reads the head's weights 2-3 times, the corrector's twice and the LM head's draft rows once
-        (~250 MB of int8 weights for the 1.5B target, ~20 ms on a 2-core EPYC), and a server round
+        reads the head's weights 2-3 times, the corrector's once (and its fc and key/value
+        projections for the catch-up) and the LM head's draft rows once (~200 MB of int8 weights
+        for the 1.5B target, ~15-20 ms on a 2-core EPYC), and a server round
         of 8 requests paid that 8 times. The drafts are deterministic (no generator is read);
         :func:`~verispec.drafters.base.lockstep_groups` says who drafts alone."""
         proposals = [Proposal([], None)] * len(sessions)
@@ -368,9 +369,9 @@ class ParallelSession:
         fresh, next_tokens = rows
         features, embeds = fresh[None].float(), self.drafter.embed(next_tokens[None]).float()  # [1, n, hidden] each
         far_memory = self.far_memory
-        _, outputs = self.drafter.head.encode_context(features, embeds, start=self.num_real, caches=self.caches, far_memory=far_memory)
-        if self.drafter.corrector is not None:  # only its keys/values are read later; last_only skips the rest
-            self.drafter.corrector(features, embeds, start=self.num_real, cache=self.corrector_cache, far_memory=far_memory, last_only=True)
+        _, outputs = self.drafter.head.encode_context(features, embeds, start=self.num_real, caches=self.caches, far_memory=far_memory, last_only=True)
+        if self.drafter.corrector is not None:  # only its keys/values are read later
+            self.drafter.corrector.append_keys_values([features[0]], [embeds[0]], [self.corrector_cache], [far_memory])
         self.anchor = outputs[:, -1]
         self.num_real += len(fresh)
         return 1 if self.drafter.corrector is None else 2
@@ -415,14 +416,14 @@ def _draft_together(sessions: list[ParallelSession], contexts: list[DraftContext
 def _catch_up_many(sessions: list[ParallelSession], contexts: list[DraftContext]) -> list[int]:
     """Every session encodes the real features it has not seen (:meth:`ParallelSession._catch_up`): a
     round's few rows per session in one call of the head (:meth:`ParallelHead.encode_many`) and one
-    of the corrector (:meth:`EagleHead.advance_many`: only its cached keys/values are read later),
+    of the corrector (:meth:`EagleHead.append_keys_values`: only its cached keys/values are read later),
     a prompt or a lone session in its own calls. Returns each session's head calls (0, 1, or 2 with a corrector)."""
     drafter = sessions[0].drafter
     passes, few, features, embeds = round_catch_ups(sessions, contexts, "parallel", DISTINCT_EMBEDS_FROM_ROWS, drafter.embed)
     if few:
         anchors = drafter.head.encode_many(features, embeds, [sessions[index].caches for index in few])  # [len(few), hidden]
         if drafter.corrector is not None:
-            drafter.corrector.advance_many(features, embeds, [sessions[index].corrector_cache for index in few])
+            drafter.corrector.append_keys_values(features, embeds, [sessions[index].corrector_cache for index in few])
         for index, rows, anchor in zip(few, features, anchors):
             sessions[index].num_real += len(rows)
             sessions[index].anchor = anchor[None]

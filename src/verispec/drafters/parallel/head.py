@@ -115,11 +115,12 @@ class DecoderLayer(nn.Module):
         context = far_memory_prefix_attention(query, prefix if prefix is not None else _empty_prefix(key), prefix_visible, (rotated_key, value), causal, far)
         return self.finish(hidden, context), (key, value)
 
-    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unrotated query # [batch, heads, n, head_dim], key and value # [batch, kv_heads, n, head_dim] of rows # [batch, n, hidden]."""
+    def project(self, hidden: torch.Tensor, query_from: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unrotated query # [batch, heads, n - query_from, head_dim] of rows ``query_from``.. (default
+        all), key and value # [batch, kv_heads, n, head_dim] of every row of ``hidden`` # [batch, n, hidden]."""
         batch, num_new, _ = hidden.shape
         normed = self.input_norm(hidden)
-        query = self.q_proj(normed).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)
+        query = self.q_proj(normed[:, query_from:]).view(batch, num_new - query_from, self.num_heads, self.head_dim).transpose(1, 2)
         key = self.k_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
         value = self.v_proj(normed).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return query, key, value
@@ -174,16 +175,26 @@ class ParallelHead(nn.Module):
         start: int = 0,  # position of the first row
         caches: list[LayerKVCache] | None = None,  # one per layer, batch 1; None: the n rows alone
         far_memory: FarMemoryConfig | None = None,  # cached path only; None or mode "full": as trained
+        last_only: bool = False,  # cached path only: the LAST row's output (a one-layer head computes no other)
     ) -> tuple[list[KeysValues], torch.Tensor]:
         """(keys/values of every context position so far, per layer # [batch, kv_heads, start+n, head_dim];
         the n rows' outputs h_i before the final norm # [batch, n, hidden]).
 
         With ``far_memory`` (mode "local" or "fold") the caches hold UNrotated keys, placed per
         (row, key) at attention time (:mod:`verispec.drafters.far_memory`), and the rows attend
-        with far memory; blocks drafted after them must pass the same config to :meth:`draft_block`."""
+        with far memory; blocks drafted after them must pass the same config to :meth:`draft_block`.
+
+        ``last_only``: outputs # [1, 1, hidden] of the last row only — what drafting reads (the anchor).
+        A one-layer head then gives every other row its key and value only, no query, attention or
+        MLP (a prompt's catch-up, as the EAGLE head's); a deeper head's later layers read every row's
+        output, so it computes them all and returns the last."""
         if caches is not None and (features.shape[0] != 1 or any(cache.length != start for cache in caches)):
             raise ValueError(f"a cached context step takes batch 1 at position {caches[0].length}, got batch {features.shape[0]} at {start}")
+        if last_only and caches is None:
+            raise ValueError("last_only runs on the cached (drafting) path: pass a LayerKVCache per layer")
         hidden = self.fc(torch.cat((next_embeds, features), dim=-1))
+        if last_only and len(self.layers) == 1:
+            return self._encode_last_row(hidden, start, caches[0], far_memory)
         everything = []
         if far_memory is not None and far_memory.changes_attention:
             if caches is None:
@@ -193,7 +204,7 @@ class ParallelHead(nn.Module):
                 keys, values = cache.append(key[0], value[0])  # unrotated: a key's position depends on the query row
                 hidden = layer.finish(hidden, far_memory_attention(query[0], keys, values, start, self.inv_freq, far_memory)[None])
                 everything.append((keys[None], values[None]))
-            return everything, hidden
+            return everything, hidden[:, -1:] if last_only else hidden
         cos, sin = self._rope(torch.arange(start, start + features.shape[1], device=features.device))
         for index, layer in enumerate(self.layers):
             prefix = None if caches is None or start == 0 else cached(caches[index])
@@ -203,7 +214,26 @@ class ParallelHead(nn.Module):
             else:
                 keys, values = caches[index].append(key[0], value[0])
                 everything.append((keys[None], values[None]))
-        return everything, hidden
+        return everything, hidden[:, -1:] if last_only else hidden
+
+    def _encode_last_row(
+        self,
+        hidden: torch.Tensor,  # [1, n, hidden]: fc's output for the n new rows
+        start: int,  # position of the first new row
+        cache: LayerKVCache,  # the one layer's
+        far_memory: FarMemoryConfig | None,
+    ) -> tuple[list[KeysValues], torch.Tensor]:
+        """:meth:`encode_context` with ``last_only`` for a one-layer head: every row's key and value
+        cached, the last row's output # [1, 1, hidden]."""
+        layer, num_new = self.layers[0], hidden.shape[1]
+        query, key, value = layer.project(hidden, query_from=num_new - 1)  # query # [1, heads, 1, head_dim]
+        if far_memory is not None and far_memory.changes_attention:
+            keys, values = cache.append(key[0], value[0])  # unrotated: a key's position depends on the query row
+            context = far_memory_attention(query[0], keys, values, start + num_new - 1, self.inv_freq, far_memory)[None]
+        else:
+            cos, sin = self._rope(torch.arange(start, start + num_new, device=hidden.device))
+            context = append_and_attend(apply_rotary(query, cos[-1:], sin[-1:]), apply_rotary(key, cos, sin), value, [cache], [num_new], [1])
+        return [cached(cache)], layer.finish(hidden[:, -1:], context)
 
     def encode_many(
         self,
