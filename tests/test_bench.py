@@ -228,6 +228,12 @@ def test_method_settings_reach_the_drafter(tiny_gguf):
     assert [drafter.candidates for drafter in built.values()][1:] == [PARALLEL_CANDIDATES] * 2
     wider = bench_methods.build_method("parallel-corrected-eagle:cand=6", model, None, gamma=3, eagle_head=eagle, parallel_head=parallel)
     assert wider.decoder.drafter.candidates == 6
+    from verispec.drafters.parallel.drafter import PARALLEL_PATH_RULE
+
+    # The EAGLE fit picks its path by generate's rule unless :rule= names one; the head's own fit has no successors.
+    assert [d.path_rule for d in built.values()] == ["lattice", "lattice", PARALLEL_PATH_RULE]
+    for rule in ("lattice", "successor"):
+        assert bench_methods.build_method(f"parallel-corrected-eagle:rule={rule}", model, None, gamma=3, eagle_head=eagle, parallel_head=parallel).decoder.drafter.path_rule == rule
     with pytest.raises(ValueError, match="needs an EAGLE head"):
         bench_methods.build_method("parallel-corrected-eagle", model, None, gamma=3, parallel_head=parallel)
     # Several EAGLE heads in one run: :head=N picks the N-th, the first without it; a head the run lacks is refused.
@@ -355,7 +361,7 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "plain,warp-drive:gamma=2"], "unknown method 'warp-drive'"),
         (["--methods", "draft-model:gamma=0"], "'draft-model:gamma=0': gamma out of range"),
         (["--methods", "draft-model:gamma=2:gamma=3"], "sets gamma twice"),
-        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, expand, dhead, dwin, prefix, cand, head, attention, got 'speed=11'"),
+        (["--methods", "draft-model:speed=11"], "expected key=value with key one of gamma, vocab, confidence, path, tune, screen, tree, expand, dhead, dwin, prefix, cand, rule, head, attention, got 'speed=11'"),
         (["--methods", "draft-model:path=1.5"], "path out of range"),
         (["--methods", "ngram:dwin=512"], "dwin applies to draft-model, draft-model-adaptive, ngram+draft, ngram+draft-adaptive only"),
         (["--draft-window", "-1"], "--draft-window must be >= 0"),
@@ -367,6 +373,8 @@ def test_ctrl_c_still_writes_partial_results(tiny_gguf, prompts_file, tmp_path, 
         (["--methods", "eagle,eagle:head=2"], "--methods picks EAGLE head 2 (:head=2), but --eagle-head gives 0: repeat --eagle-head PATH once per head"),
         (["--methods", "eagle,eagle:head=2", "--eagle-head", "/nonexistent/a.safetensors", "--eagle-head", "/nonexistent/b.safetensors"], "EAGLE head '/nonexistent/a.safetensors' not found"),
         (["--methods", "parallel-corrected:cand=1"], "cand out of range"),
+        (["--methods", "parallel-corrected:rule=successor"], "rule applies to parallel-corrected-eagle only"),
+        (["--methods", "parallel-corrected-eagle:rule=best"], "rule out of range"),
         (["--methods", "draft-model:vocab"], "got 'vocab'"),
         (["--methods", "draft-model:confidence=1"], "confidence out of range"),
         (["--methods", "draft-model:vocab=many"], "vocab must be a number, got 'many'"),

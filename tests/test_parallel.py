@@ -18,7 +18,7 @@ from verispec.drafters.eagle.extract import ExtractSettings, extract_features
 from verispec.engine.kv_cache import LayerKVCache
 from verispec.drafters.parallel import ParallelConfig, ParallelDrafter, ParallelHead, best_path, load_parallel_head, save_parallel_head, top_paths
 from verispec.drafters.parallel.acceptance import accepted_from_every_start
-from verispec.drafters.parallel.drafter import _pair_fit, _successor_fit, path_lengths
+from verispec.drafters.parallel.drafter import PARALLEL_PATH_RULE, SUCCESSOR_CANDIDATES, _pair_fit, _successor_fit, draft_paths, path_lengths, path_runner_ups
 from verispec.drafters.parallel.head import cached
 from verispec.drafters.parallel.train import BlockObjective, ParallelTrainSettings, train_parallel_head
 from verispec.models import LoadedModel
@@ -36,6 +36,16 @@ def parallel_head(target, block_size=4, num_layers=1, seed=0, slot_input="fc") -
     torch.manual_seed(seed)
     config = ParallelConfig.for_target(target.config, 24, block_size=block_size, num_layers=num_layers, slot_input=slot_input)
     return ParallelHead(config).eval().requires_grad_(False)
+
+
+def path_rule(correction) -> str:
+    """A test's ``correction`` mode: False (none), True (the head's own fit), "eagle" (EAGLE fit,
+    lattice path) or "successor" (EAGLE fit, the corrector's successors)."""
+    return "successor" if correction == "successor" else "lattice"
+
+
+def corrector_for(correction, head):
+    return head if correction in ("eagle", "successor") else None
 
 
 # --- the lattice ---------------------------------------------------------------------------------------
@@ -253,10 +263,10 @@ def test_bad_parallel_config_names_the_field(field, value):
 # --- the drafter on the engine ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("block_size", "candidates", "correction"), [(1, 1, False), (4, 1, False), (4, 3, True), (3, 4, True), (4, 3, "eagle")])
+@pytest.mark.parametrize(("block_size", "candidates", "correction"), [(1, 1, False), (4, 1, False), (4, 3, True), (3, 4, True), (4, 3, "eagle"), (4, 3, "successor"), (3, 96, "successor")])
 def test_greedy_output_is_token_identical_to_plain(target, block_size, candidates, correction):
-    corrector = fresh_head(target) if correction == "eagle" else None
-    drafter = ParallelDrafter(target, parallel_head(target, block_size=4), block_size=block_size, candidates=candidates, correction=bool(correction), corrector=corrector)
+    corrector = fresh_head(target) if correction in ("eagle", "successor") else None
+    drafter = ParallelDrafter(target, parallel_head(target, block_size=4), block_size=block_size, candidates=candidates, correction=bool(correction), corrector=corrector, path_rule=path_rule(correction))
     plain = SpeculativeDecoder(target)
     for gamma in (2, 5):
         decoder = SpeculativeDecoder(target, drafter, gamma=gamma)
@@ -322,7 +332,7 @@ def test_one_block_pass_per_round_plus_one_for_correction(target, correction, bl
         hooks.append(corrector.fc.register_forward_hook(lambda *args: calls.append(1)))
         hooks.append(corrector.o_proj.register_forward_hook(lambda *args: predictions.append(1)))  # the catch-up caches keys/values only
     try:
-        session = ParallelDrafter(target, head, candidates=3, correction=bool(correction), corrector=corrector).start([1, 2, 3, 4], SamplingParams())
+        session = ParallelDrafter(target, head, candidates=3, correction=bool(correction), corrector=corrector, path_rule="lattice").start([1, 2, 3, 4], SamplingParams())
         with torch.no_grad():
             features = target.model(torch.tensor([[1, 2, 3, 4, 5]])).last_hidden_state[0]
         first = session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 4, torch.Generator())
@@ -351,7 +361,7 @@ def test_path_stop_corrects_only_the_positions_it_could_keep(target, correction)
         features = target.model(torch.tensor([[1, 2, 3, 4, 5]])).last_hidden_state[0]
 
     def propose(path_confidence, correction=True):
-        drafter = ParallelDrafter(target, head, candidates=3, correction=correction, corrector=corrector if correction else None, path_confidence=path_confidence)
+        drafter = ParallelDrafter(target, head, candidates=3, correction=correction, corrector=corrector if correction else None, path_confidence=path_confidence, path_rule="lattice")
         session = drafter.start([1, 2, 3, 4], SamplingParams())
         session.propose(DraftContext([1, 2, 3, 4], features[:3], 0), 4, torch.Generator())  # the catch-up
         rows = []
@@ -422,7 +432,7 @@ def test_eagle_corrector_scores_each_candidate_as_the_token_one_step_ahead(targe
     # at position L+i over the real context — computed here by hand; the i = 0 rows are also exactly
     # what the EAGLE drafter's own cached step gives.
     corrector = fresh_head(target, seed=4)
-    drafter = ParallelDrafter(target, parallel_head(target, block_size=3), candidates=2, corrector=corrector)
+    drafter = ParallelDrafter(target, parallel_head(target, block_size=3), candidates=2, corrector=corrector, path_rule="lattice")
     session = session_with_caches_filled(target, drafter, 3)
     with torch.no_grad():
         context_keys, context_values = session.corrector_cache.keys[:, :3], session.corrector_cache.values[:, :3]
@@ -445,6 +455,53 @@ def test_eagle_corrector_scores_each_candidate_as_the_token_one_step_ahead(targe
         torch.testing.assert_close(hidden_row, _successor_fit(drafter, short, slots, torch.tensor([3]), index[None], None)[0])
 
 
+@pytest.mark.parametrize(("candidates", "first_from_anchor", "stop"), [(2, True, None), (VOCAB, True, None), (VOCAB, False, None), (VOCAB, True, 0.05)])
+def test_successor_paths_follow_the_correctors_best_next_token_by_hand(target, candidates, first_from_anchor, stop):
+    # path_rule "successor": path_0 is the block's top-1 at position 0; path_{i+1} = argmax over the
+    # draft vocabulary of the LM head on the EAGLE step (ĥ_i, embed(path_i)) at position L+i — while
+    # path_i is one of the block's m candidates at i (it has a fit row); the stop reads the path's
+    # probability as q_0(path_0) · ∏ q(path_{i+1} | path_i). Runner-ups at i >= 1 are that successor
+    # distribution's next best. Here every step is computed by hand from the head's parts.
+    corrector = fresh_head(target, seed=4)
+    torch.manual_seed(0)
+    config = ParallelConfig.for_target(target.config, 24, block_size=4, first_from_anchor=first_from_anchor)
+    head = ParallelHead(config).eval().requires_grad_(False)
+    drafter = ParallelDrafter(target, head, candidates=candidates, corrector=corrector, path_rule="successor", path_confidence=stop)
+    session = session_with_caches_filled(target, drafter, 4)
+    keys, values = session.corrector_cache.keys[:, :3], session.corrector_cache.values[:, :3]
+    encoded = [cached(cache) for cache in session.caches]
+    with torch.no_grad():
+        drafts = draft_paths(drafter, encoded, session.anchor, torch.tensor([3]), 4, width=3, corrector_context=cached(session.corrector_cache))
+        hidden = head.draft_block(encoded, session.anchor, torch.tensor([3]))[0]  # [K, hidden]: ĥ_i
+        if first_from_anchor:
+            hidden = torch.cat((head.norm(session.anchor), hidden[1:]))
+        block = (hidden @ target.lm_head.weight.T).log_softmax(-1)  # [K, vocab]: the block's q_i
+        lattice = block.topk(candidates, dim=-1).indices  # [K, m]
+        shortlist = block.topk(max(SUCCESSOR_CANDIDATES, candidates), dim=-1)  # [K, S]: the block's S likeliest
+        path, log_probs, runner_ups = [int(block[0].argmax())], [float(block[0].max())], []
+        while len(path) < 4 and path[-1] in lattice[len(path) - 1].tolist():
+            i = len(path) - 1
+            step = eagle_step_by_hand(corrector, keys, values, hidden[i], drafter.embed(torch.tensor(path[i])).float(), 3 + i)
+            tokens = shortlist.indices[i + 1]
+            # q(x | path_i) over the shortlist, weighted by the block's mass on it (all of it when S = vocab)
+            successor = (target.lm_head.weight[tokens] @ step).log_softmax(-1) + shortlist.values[i + 1].logsumexp(-1)
+            ranked = successor.topk(3)
+            runner_ups += [(i + 1, int(tokens[j]), math.exp(sum(log_probs) + float(score))) for score, j in zip(ranked.values[1:], ranked.indices[1:])]
+            path.append(int(tokens[ranked.indices[0]]))
+            log_probs.append(float(ranked.values[0]))
+    kept = len(path) if stop is None else next((n + 1 for n in range(len(path)) if sum(log_probs[: n + 1]) < math.log(stop)), len(path))
+    assert int(drafts.lengths[0]) == kept
+    assert drafts.tokens[0, :kept].tolist() == path[:kept]
+    offered = path_runner_ups(drafts, 0, 2)[2:]  # after position 0's (the block's own runner-ups)
+    expected = [r for r in runner_ups if r[0] < kept]
+    assert [(i, token) for i, token, _ in offered] == [(i, token) for i, token, _ in expected]
+    assert [score for *_, score in offered] == pytest.approx([score for *_, score in expected], rel=1e-4)
+    if candidates == 2:
+        assert len(path) < 4  # a successor outside the block's candidates ended the chain (this head, seed: at draft 2 or 3)
+    if candidates == VOCAB:
+        assert len(path) == 4  # every token has a row: the chain runs the block's length
+
+
 @pytest.mark.parametrize("corrector_seed", [None, 4])
 def test_a_pinned_first_draft_fits_one_row_at_position_0_and_picks_the_same_paths(target, corrector_seed):
     # With first_from_anchor the path keeps position 0's top-1, so of position 0's m fit rows only
@@ -452,7 +509,7 @@ def test_a_pinned_first_draft_fits_one_row_at_position_0_and_picks_the_same_path
     # all later positions) as it was, run (K-2)·m + 1 rows instead of (K-1)·m, and choose the same paths.
     corrector = None if corrector_seed is None else fresh_head(target, seed=corrector_seed)
     head = parallel_head(target, block_size=4)
-    drafter = ParallelDrafter(target, head, candidates=3, corrector=corrector)
+    drafter = ParallelDrafter(target, head, candidates=3, corrector=corrector, path_rule="lattice")
     session = session_with_caches_filled(target, drafter, 4)
     with torch.no_grad():
         index = torch.tensor([[[5, 9, 2], [1, 7, 4], [3, 2, 8], [6, 0, 11]], [[8, 1, 3], [2, 9, 5], [7, 4, 1], [10, 3, 6]]])  # [B=2, K=4, m=3]
@@ -481,7 +538,10 @@ def test_a_pinned_first_draft_fits_one_row_at_position_0_and_picks_the_same_path
             assert best_path(unary, pinned[row])[0].tolist() == best_path(unary, full[row])[0].tolist()
 
 
-@pytest.mark.parametrize(("correction", "candidates", "path"), [(False, 1, None), (True, 3, None), ("eagle", 3, None), (False, 1, 0.9), ("eagle", 3, 0.9)])
+@pytest.mark.parametrize(
+    ("correction", "candidates", "path"),
+    [(False, 1, None), (True, 3, None), ("eagle", 3, None), (False, 1, 0.9), ("eagle", 3, 0.9), ("successor", 3, None), ("successor", 3, 0.9)],
+)
 def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_head, correction, candidates, path):
     # Teacher-forced replay (parallel eval) must count exactly the drafts the engine accepts on
     # the target's own greedy answer: same rounds, same drafted and accepted per round — also
@@ -492,8 +552,10 @@ def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_hea
     config = ParallelConfig.for_target(target.config, trained_head.config.intermediate_size, block_size=3, first_from_anchor=True)
     head = ParallelHead(config)
     head.load_eagle(trained_head)  # drafts the first token as the trained EAGLE head does: some rounds accept
-    corrector = trained_head if correction == "eagle" else None
-    drafter = ParallelDrafter(target, head.eval().requires_grad_(False), candidates=candidates, correction=bool(correction), corrector=corrector, path_confidence=path)
+    drafter = ParallelDrafter(
+        target, head.eval().requires_grad_(False), candidates=candidates, correction=bool(correction), corrector=corrector_for(correction, trained_head), path_confidence=path,
+        path_rule=path_rule(correction),
+    )  # fmt: skip
     prompt = [5, 17, 3, 40, 22, 9, 31]
     result = SpeculativeDecoder(target, drafter, gamma=3).generate(prompt, 30, stop=[])
     text = prompt + result.token_ids[:-1]  # the last token is emitted, never fed
@@ -508,7 +570,8 @@ def test_replayed_rounds_are_the_rounds_greedy_decoding_runs(target, trained_hea
     assert rounds == engine_rounds
     assert sum(accepted for _, accepted in rounds) > 0  # the test sees acceptance, not only rejections
     full_rounds = sum(1 for num_drafted, _ in rounds[:-3] if num_drafted == 3)  # the last rounds may be cut by the text's end
-    assert (full_rounds < len(rounds) - 3) if path is not None else (full_rounds == len(rounds) - 3)
+    # (a successor chain also ends where its token is not one of the block's candidates)
+    assert (full_rounds < len(rounds) - 3) if path is not None or correction == "successor" else (full_rounds == len(rounds) - 3)
     with pytest.raises(ValueError, match="gamma"):
         accepted_from_every_start(drafter, torch.tensor(text), features, 0, choice)
 
@@ -542,6 +605,7 @@ def test_path_stop_keeps_the_path_up_to_its_first_draft_below_the_threshold():
     [
         ({"block_size": 5}, "block_size"), ({"block_size": 0}, "block_size"), ({"candidates": 0}, "candidates"), ({"candidates": 97}, "candidates"),
         ({"path_confidence": 1.0}, "path_confidence"), ({"path_confidence": -0.1}, "path_confidence"),
+        ({"path_rule": "viterbi"}, "path_rule"), ({"path_rule": "successor"}, "path_rule 'successor' .* corrector"),
     ],  # fmt: skip
 )
 def test_bad_drafter_options_name_the_option(target, options, argument):
@@ -563,6 +627,9 @@ def test_feature_drafters_refuse_a_head_of_the_wrong_kind_or_width(target):
         ParallelDrafter(target, parallel_head(target), corrector=EagleHead(dataclasses.replace(fresh_head(target).config, hidden_size=2 * target.config.hidden_size)))
     with pytest.raises(ValueError, match="corrector .*correction=True"):
         ParallelDrafter(target, parallel_head(target), correction=False, corrector=fresh_head(target))
+    # The path rule unless told: successors with an EAGLE corrector, the lattice without one.
+    assert ParallelDrafter(target, parallel_head(target), corrector=fresh_head(target)).path_rule == PARALLEL_PATH_RULE == "successor"
+    assert ParallelDrafter(target, parallel_head(target)).path_rule == "lattice"
 
 
 # --- checkpoints and training ---------------------------------------------------------------------------
@@ -694,12 +761,13 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
     eagle = save_head(tmp_path / "eagle.safetensors", fresh_head(model), draft_vocab=None, fingerprint=target_fingerprint(model))
     by_eagle = ["--pair-fit", "eagle", "--eagle-head", str(eagle)]
     fold = ["--draft-attention", "fold", "--local-window", "2"]  # far memory for the head and its corrector
-    for extra in ([], ["--no-correction"], ["--block-size", "2", "--candidates", "2"], by_eagle, [*by_eagle, *fold]):
+    for extra in ([], ["--no-correction"], ["--block-size", "2", "--candidates", "2"], by_eagle, [*by_eagle, *fold], [*by_eagle, "--path-rule", "lattice"]):
         assert main([*common, "--drafter", "parallel", "--parallel-head", str(path), *extra]) == 0
         assert capsys.readouterr().out == plain
     refused = (
         (["--block-size", "4"], "block_size"), (["--candidates", "0"], "--candidates"), (["--parallel-head", str(tmp_path / "none")], "parallel head"),
         ([*by_eagle, "--no-correction"], "--pair-fit eagle"), (["--pair-fit", "eagle", "--eagle-head", str(tmp_path / "none")], "none"),
+        (["--pair-fit", "parallel", "--path-rule", "successor"], "--path-rule successor"), ([*by_eagle, "--path-rule", "best"], "--path-rule"),
     )  # fmt: skip
     for extra, message in refused:
         arguments = [*common, "--drafter", "parallel", "--parallel-head", str(path), *extra]
@@ -720,8 +788,9 @@ def test_cli_drafts_with_a_parallel_head_and_refuses_bad_options(tmp_path, capsy
     assert main([*evaluate, "--eagle-head", str(eagle)]) == 0
     out, err = capsys.readouterr()
     assert "answers: 2 read from" in err and "0 recorded there" in err  # the first evaluation's recordings
-    assert "parallel-corrected, EAGLE pair fit (m=3)" in out and "eagle (eagle.safetensors), up to 5 drafts a round" in out
-    assert out.count("2 prompts  tau") == 4
+    assert "parallel-corrected, EAGLE pair fit (m=3)" in out and "parallel-corrected, EAGLE successors (m=3)" in out
+    assert "eagle (eagle.safetensors), up to 5 drafts a round" in out
+    assert out.count("2 prompts  tau") == 5
     assert main([*evaluate, "--no-eagle", "--path-confidence", "0.5"]) == 0  # the parallel drafters' path stop
     out = capsys.readouterr().out
     assert "up to 3 drafts a round (path stop 0.5)" in out and "drafts/round" in out
@@ -790,8 +859,10 @@ def _anchored_drafter(target, trained_head, correction, far_memory=None):
     torch.manual_seed(3)  # the same mask slots in every drafter built here
     head = ParallelHead(config)
     head.load_eagle(trained_head)
-    corrector = trained_head if correction == "eagle" else None
-    return ParallelDrafter(target, head.eval().requires_grad_(False), candidates=3, correction=bool(correction), corrector=corrector, far_memory=far_memory)
+    return ParallelDrafter(
+        target, head.eval().requires_grad_(False), candidates=3, correction=bool(correction), corrector=corrector_for(correction, trained_head), far_memory=far_memory,
+        path_rule=path_rule(correction),
+    )  # fmt: skip
 
 
 def _feature_drafter(kind, model, trained_head):
@@ -801,11 +872,11 @@ def _feature_drafter(kind, model, trained_head):
         return EagleDrafter(model, trained_head)
     if kind == "ngram+eagle":
         return lookup_then_model(EagleDrafter(model, trained_head))
-    return _anchored_drafter(model, trained_head, "eagle" if kind == "parallel-corrected-eagle" else True)
+    return _anchored_drafter(model, trained_head, {"parallel-corrected-eagle": "eagle", "parallel-successor": "successor"}.get(kind, True))
 
 
 @pytest.mark.parametrize("batching", ["masked", "lean"])
-@pytest.mark.parametrize("kind", ["eagle", "ngram+eagle", "parallel", "parallel-corrected-eagle"])
+@pytest.mark.parametrize("kind", ["eagle", "ngram+eagle", "parallel", "parallel-corrected-eagle", "parallel-successor"])
 def test_served_in_batches_every_request_gets_its_greedy_text_alone(target, trained_head, kind, batching):
     # `verispec serve --drafter eagle|ngram+eagle|parallel`: rows of different lengths join and share
     # every verification pass, each hands its own drafter session the features of its own rows.
@@ -932,7 +1003,7 @@ def _round_contexts(target, prompts, extra):
     return first, second
 
 
-@pytest.mark.parametrize(("correction", "quantize"), [(False, False), (True, False), ("eagle", False), (True, True)])
+@pytest.mark.parametrize(("correction", "quantize"), [(False, False), (True, False), ("eagle", False), ("successor", False), (True, True)])
 def test_sessions_drafted_together_propose_what_each_proposes_alone(target, trained_head, correction, quantize):
     from verispec.drafters.base import propose_batch
 
@@ -940,7 +1011,10 @@ def test_sessions_drafted_together_propose_what_each_proposes_alone(target, trai
     torch.manual_seed(3)
     head = ParallelHead(config)
     head.load_eagle(trained_head)
-    drafter = ParallelDrafter(target, head.eval().requires_grad_(False), candidates=3, correction=bool(correction), corrector=trained_head if correction == "eagle" else None, alternatives=1, quantize=quantize)
+    drafter = ParallelDrafter(
+        target, head.eval().requires_grad_(False), candidates=3, correction=bool(correction), corrector=corrector_for(correction, trained_head), alternatives=1, quantize=quantize,
+        path_rule=path_rule(correction),
+    )  # fmt: skip
     long_prompt = [(5 * k + 1) % VOCAB for k in range(70)]  # more rows than a round's: its catch-up runs alone
     prompts = [[1, 2, 3, 4], [7, 8], long_prompt, [20, 21, 22], [30]]
     samplings = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, seed=5), SamplingParams()]
@@ -1032,7 +1106,7 @@ def test_parallel_head_blocks_with_far_memory(target):
         head.encode_context(features, embeds, far_memory=FarMemoryConfig("fold", local_window=3))
 
 
-@pytest.mark.parametrize("correction", [False, True, "eagle"])
+@pytest.mark.parametrize("correction", [False, True, "eagle", "successor"])
 def test_greedy_output_is_token_identical_with_far_memory(target, trained_head, correction, monkeypatch):
     import verispec.drafters.far_memory as far_memory
     from verispec.drafters.far_memory import FarMemoryConfig

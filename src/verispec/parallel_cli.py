@@ -127,8 +127,9 @@ def _eval(args: argparse.Namespace) -> int:
         "parallel": ParallelDrafter(target, head, vocab, correction=False, candidates=1, **stop),
         f"parallel-corrected (m={args.candidates})": ParallelDrafter(target, head, vocab, candidates=args.candidates, **stop),
     }
-    if eagle is not None:  # the same lattice, the pair fit scored by EAGLE steps (--pair-fit eagle)
-        drafters[f"parallel-corrected, EAGLE pair fit (m={args.candidates})"] = ParallelDrafter(target, head, vocab, candidates=args.candidates, corrector=eagle, **stop)
+    if eagle is not None:  # the same lattice, the pair fit scored by EAGLE steps (--pair-fit eagle), and the EAGLE head's successors
+        drafters[f"parallel-corrected, EAGLE pair fit (m={args.candidates})"] = ParallelDrafter(target, head, vocab, candidates=args.candidates, corrector=eagle, path_rule="lattice", **stop)
+        drafters[f"parallel-corrected, EAGLE successors (m={args.candidates})"] = ParallelDrafter(target, head, vocab, candidates=args.candidates, corrector=eagle, path_rule="successor", **stop)
     lm_weight = target.model.get_output_embeddings().weight.detach().float()  # the target's argmax; float32 once (a bfloat16 target)
     drafts = min(args.gamma, head.config.block_size)  # a parallel round drafts at most the head's K
     # name -> (head file, drafts a round at most, (drafted or None: all, accepted) from every start of a recorded text)
@@ -160,7 +161,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def add_parallel_drafter_options(sub: argparse.ArgumentParser) -> None:
     """``--drafter parallel``'s options, for every command that decodes with a drafter."""
-    from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
+    from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES, PARALLEL_PATH_RULE, PATH_RULES
 
     sub.add_argument("--parallel-head", type=Path, default=None, metavar="PATH", help="parallel head for --drafter parallel (default <cache>/eagle/<target>/parallel.safetensors, made by `verispec parallel train`, if it exists, else the bundled head)")
     sub.add_argument("--block-size", type=positive_int, default=None, metavar="K", help="--drafter parallel: drafts per round at most (default: the head's K; at most K)")
@@ -172,18 +173,34 @@ def add_parallel_drafter_options(sub: argparse.ArgumentParser) -> None:
         "one step ahead (eagle; --eagle-head, one built here or the bundled head), or the parallel head given that candidate as a known slot "
         "(parallel); auto (default): eagle when the target has an EAGLE head, else parallel",
     )  # fmt: skip
+    sub.add_argument(
+        "--path-rule", choices=PATH_RULES, default=None,
+        help=f"--drafter parallel with the EAGLE pair fit: how the path is picked — each draft after the first the EAGLE head's most likely token "
+        f"after the one before it (successor), or the best path through the lattice of the block's candidates (lattice); default {PARALLEL_PATH_RULE}",
+    )  # fmt: skip
 
 
 def parallel_corrector_path(args: argparse.Namespace) -> Path | None:
     """The EAGLE head that scores --drafter parallel's pair fit, or None for the parallel head's own
     fit (or no correction); checked before minutes of model loading. ``--pair-fit auto`` takes the
     EAGLE head when one is found: the head's own fit never changed a path in our replays and costs
-    more a round (README, Parallel drafting), the EAGLE fit raised HumanEval's tau by 5-6%."""
+    more a round (README, Parallel drafting), the EAGLE fit raised HumanEval's tau by 5-6%.
+    ``--path-rule successor`` without an EAGLE head is refused here."""
+    if getattr(args, "drafter", None) != "parallel":
+        return None
+    corrector = _corrector_path(args)
+    if corrector is None and getattr(args, "path_rule", None) == "successor":
+        raise ValueError("--path-rule successor drafts the EAGLE head's own next tokens: it needs the EAGLE pair fit (--pair-fit eagle, or auto with an EAGLE head)")
+    return corrector
+
+
+def _corrector_path(args: argparse.Namespace) -> Path | None:
+    """The EAGLE head --pair-fit and --eagle-head ask for (see :func:`parallel_corrector_path`)."""
     from verispec.drafters.eagle import existing_head_path
     from verispec.drafters.eagle.checkpoint import find_head
 
     pair_fit = getattr(args, "pair_fit", "auto")
-    if getattr(args, "drafter", None) != "parallel" or pair_fit == "parallel":
+    if pair_fit == "parallel":
         return None
     if not args.correction:
         if pair_fit == "eagle":
@@ -215,10 +232,12 @@ def parallel_drafter_from_args(args: argparse.Namespace, target, head_path: Path
 
     quantize = getattr(args, "draft_quantize", "none") == "int8"
     alternatives = tree_alternatives(getattr(args, "tree_rows", 0))
+    # --path-rule successor without a corrector was refused by parallel_corrector_path, before loading.
+    path_rule = getattr(args, "path_rule", None)  # None: the drafter's default (PARALLEL_PATH_RULE with the EAGLE fit)
     far_memory = far_memory_from_args(args) if hasattr(args, "local_window") else None
     return ParallelDrafter(
         target, head_path, block_size=args.block_size, candidates=args.candidates, correction=args.correction, quantize=quantize, alternatives=alternatives,
-        corrector=corrector, far_memory=far_memory, path_confidence=PARALLEL_PATH_CONFIDENCE,
+        corrector=corrector, far_memory=far_memory, path_confidence=PARALLEL_PATH_CONFIDENCE, path_rule=path_rule,
     )  # fmt: skip
 
 
@@ -239,7 +258,7 @@ def print_proposal_costs(context: int, repeats: int, target, head_path: Path, ea
         costs = {"parallel": proposal_cost(ParallelDrafter(target, parallel, parallel_vocab, correction=False, quantize=quantize), context, drafts, repeats)}
         costs["parallel-corrected"] = proposal_cost(ParallelDrafter(target, parallel, parallel_vocab, quantize=quantize), context, drafts, repeats)
         if eagle is not None:
-            corrected = ParallelDrafter(target, parallel, parallel_vocab, quantize=quantize, corrector=eagle[0])
+            corrected = ParallelDrafter(target, parallel, parallel_vocab, quantize=quantize, corrector=eagle[0])  # the default path rule, as generate drafts
             costs["parallel-corrected-eagle"] = proposal_cost(corrected, context, drafts, repeats)
             costs["eagle"] = proposal_cost(EagleDrafter(target, *eagle, quantize=quantize), context, drafts, repeats)
         for name, seconds in costs.items():

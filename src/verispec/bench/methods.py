@@ -18,7 +18,7 @@ import torch
 from verispec.drafters.by_length import DEFAULT_LONG_PROMPT
 from verispec.drafters.combined import STREAM_GAMMA, STREAM_PATH_CONFIDENCE
 from verispec.drafters.far_memory import ATTENTION_MODES, FarMemoryConfig
-from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES
+from verispec.drafters.parallel.drafter import PARALLEL_CANDIDATES, PARALLEL_PATH_RULE, PATH_RULES
 from verispec.engine.decoder import LONG_CONTEXT_TREE_LIMIT
 from verispec.sampling import SamplingParams
 
@@ -124,6 +124,8 @@ _OPTIONS = {
                       int, lambda v: v >= 0, lambda base: METHODS[base].family == "ours", "our methods"),
     "cand": _Option(f"contextual correction: candidates kept per position (m), >= 2 (default {PARALLEL_CANDIDATES})", int, lambda v: v >= 2,
                     lambda base: base in _CORRECTED_METHODS, ", ".join(_CORRECTED_METHODS)),
+    "rule": _Option(f"contextual correction by the EAGLE fit: how the path is picked — lattice (the best path through the K×m lattice) or successor (each next draft the EAGLE corrector's most likely token after the one before it; default {PARALLEL_PATH_RULE})",
+                    str, lambda v: v in PATH_RULES, lambda base: base == "parallel-corrected-eagle", "parallel-corrected-eagle"),
     "head": _Option("EAGLE head: the N-th --eagle-head of the run, >= 1 (default 1), to time two heads side by side", int, lambda v: v >= 1,
                     lambda base: base in _HEAD_METHODS, ", ".join(_HEAD_METHODS)),
     "attention": _Option("EAGLE or parallel head (and its EAGLE corrector): how it attends over long inputs — full (as trained), local (the last --local-window tokens only), fold (far memory: --local-window, --memory-temperature, --memory-weight) or auto (full up to 1,024 prompt tokens, local past them)",
@@ -150,6 +152,7 @@ class MethodVariant:
     prefix: int | None = None
     attention: str | None = None
     cand: int | None = None
+    rule: str | None = None
     head: int | None = None
 
 
@@ -422,7 +425,7 @@ def build_method(
         attention = replace(far_memory or FarMemoryConfig(), mode=variant.attention) if variant.attention not in (None, "full") else None
         drafter = ParallelDrafter(
             target, parallel_head, candidates=variant.cand or PARALLEL_CANDIDATES, correction=name != "parallel", quantize=head_quantize, alternatives=tree_alternatives(tree_rows),
-            corrector=corrector, far_memory=attention, path_confidence=variant.path or None, name=name,
+            corrector=corrector, far_memory=attention, path_confidence=variant.path or None, path_rule=variant.rule, name=name,
         )  # fmt: skip
     elif name.startswith("ngram+"):
         model_drafter = settings.build(draft, name=draft.name)

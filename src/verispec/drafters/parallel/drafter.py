@@ -15,7 +15,11 @@ passes already run), one round is:
    (normalised over the m candidates: a fit score, read from m LM-head rows only), and the
    drafted path is the lattice's best (:func:`~verispec.drafters.parallel.lattice.best_path`);
    with ``first_from_anchor`` the path keeps the anchor's first draft (the fit picks what follows),
-   so position 0 needs the row of that draft only: (K-2)·m + 1 rows.
+   so position 0 needs the row of that draft only: (K-2)·m + 1 rows. With an EAGLE corrector the
+   rows are EAGLE steps (:func:`_successor_fit`), and ``path_rule="successor"`` (the default there)
+   reads each row's next-token distribution over the block's likeliest tokens instead: each draft
+   after the first is the corrector's most likely token after the path's token before it
+   (:func:`_successor_paths`).
 
 With ``path_confidence`` the path ends at the first position where the product of its drafts'
 block probabilities, prod_{j<=i} q_draft_j(path_j), falls below the threshold (that position
@@ -59,6 +63,13 @@ PARALLEL_PATH_CONFIDENCE = 0.2
 # Candidates kept per position for contextual correction (m), the default of the drafter, the
 # command line and the bench's corrected methods.
 PARALLEL_CANDIDATES = 3
+# How a corrected drafter with an EAGLE corrector picks its path (ParallelDrafter(path_rule=...)).
+PATH_RULES = ("lattice", "successor")
+# How a drafter with an EAGLE corrector picks its path unless told (ParallelDrafter(path_rule=None), `generate`,
+# `compare`, `serve`, the bench's parallel-corrected-eagle): τ up in replays and timed runs (README, Performance, 2026-12-08 (small hours)).
+PARALLEL_PATH_RULE = "successor"
+# The block's likeliest tokens at a position among which the successor rule picks (_successor_paths).
+SUCCESSOR_CANDIDATES = 16
 
 
 class ParallelDrafter:
@@ -81,6 +92,10 @@ class ParallelDrafter:
     ``path_confidence``: end a round's path where the product of its block probabilities falls
     below this, in [0, 1) (that draft kept, as :class:`~verispec.drafters.eagle.EagleDrafter`'s
     rule); None or 0: every slot of the block is drafted.
+    ``path_rule``: "lattice" — the best path through the K×m lattice (:func:`draft_paths`);
+    "successor" (needs a corrector) — each draft after the first is the corrector's most likely next
+    token after the one before it (:func:`_successor_paths`); None (default): ``PARALLEL_PATH_RULE``
+    with a corrector, else "lattice".
     """
 
     needs_target_features = True
@@ -99,11 +114,17 @@ class ParallelDrafter:
         corrector: EagleHead | str | os.PathLike | None = None,
         far_memory: FarMemoryConfig | None = None,
         path_confidence: float | None = None,
+        path_rule: str | None = None,
         name: str = "parallel",
     ) -> None:
         target_model, self.tokenizer, head, draft_vocab = resolve_head(target, head, draft_vocab, ParallelHead, load_parallel_head, "ParallelDrafter", quantize=quantize)
         if corrector is not None and not correction:
             raise ValueError("corrector scores contextual correction: it needs correction=True")
+        path_rule = (PARALLEL_PATH_RULE if corrector is not None else "lattice") if path_rule is None else path_rule
+        if path_rule not in PATH_RULES:
+            raise ValueError(f"path_rule must be one of {', '.join(PATH_RULES)} (or None), got {path_rule!r}")
+        if path_rule == "successor" and corrector is None:
+            raise ValueError("path_rule 'successor' drafts the corrector's own next tokens: it needs an EAGLE corrector (corrector=...)")
         # The EAGLE head's own draft vocabulary is not used: the fit reads the m candidates' LM-head rows.
         self.corrector = None if corrector is None else resolve_head(target, corrector, None, EagleHead, load_head, "ParallelDrafter(corrector)", quantize=quantize)[2]
         block_size = head.config.block_size if block_size is None else block_size
@@ -115,6 +136,7 @@ class ParallelDrafter:
         self.far_memory = checked_far_memory(far_memory)
         self.head = head
         self.block_size, self.candidates, self.correction, self.name = block_size, candidates, correction, name
+        self.path_rule = path_rule
         self.alternatives = checked_alternatives(alternatives)
         self.embed = target_model.get_input_embeddings()
         target_lm_head = target_model.get_output_embeddings()
@@ -170,6 +192,8 @@ def draft_paths(
         hidden = torch.cat((head.norm(anchors)[:, None], hidden[:, 1:]), dim=1)
     log_probs = drafter.lm_head(hidden).float().log_softmax(-1)  # [B, count, draft_vocab]
     ranked, index = log_probs.topk(max(drafter.candidates, width or 0), dim=-1)  # [B, count, width]: best first
+    if drafter.correction and drafter.path_rule == "successor" and count > 1 and drafter.candidates > 1:
+        return _successor_paths(drafter, corrector_context, hidden, log_probs, starts, visible, far_memory, row_counts, ranked.shape[-1])
     unary, lattice = ranked[..., : drafter.candidates], index[..., : drafter.candidates]  # [B, count, m]
     choice = torch.zeros(index.shape[:2], dtype=torch.long)  # [B, count]: top-1 per position
     passes, row_passes = 1, torch.ones(len(index), dtype=torch.long)
@@ -215,6 +239,72 @@ def path_lengths(
     # The path probability only falls along the path, so the positions at or above the threshold
     # are a prefix; the first one below it is kept too.
     return torch.minimum((path_log_probs >= math.log(path_confidence)).sum(-1) + 1, most)
+
+
+def _successor_paths(
+    drafter: ParallelDrafter,
+    context: KeysValues | SequencePrefixes | None,  # [1, kv_heads, P, head_dim]: the corrector's cached context (or each row's own)
+    slot_features: torch.Tensor,  # [B, count, hidden]: ĥ_i, the drafted feature of each position (the anchor's at 0 when first_from_anchor)
+    log_probs: torch.Tensor,  # [B, count, draft_vocab]: the block's log q_draft_i
+    starts: torch.Tensor,  # [B] long: block positions L
+    visible: torch.Tensor | None,  # [B, P] bool or None
+    far_memory: FarMemoryConfig | None,
+    row_counts: torch.Tensor | None,  # [B] long or None
+    width: int,  # candidates ranked per position (>= m; more for runner-ups)
+) -> BlockDrafts:
+    """Paths drafted by the corrector's successors (``path_rule="successor"``), one corrector call.
+
+    The pair fit's rows already hold, for each candidate c at position i, the corrector's feature
+    for position i+1 after c (at i = 0, after the anchor's first draft: an EAGLE second step on the anchor's feature).
+    Read over the block's S = SUCCESSOR_CANDIDATES likeliest tokens at i+1 (S LM-head rows, not the
+    whole draft vocabulary, whose product cost as much as the gain in a timed run) it gives
+
+        log q(x | c) = log softmax_{x in S}( W_x · EAGLE(ĥ_i, embed(c)) ) + log Σ_{y in S} q_draft_{i+1}(y)
+
+    the corrector's choice among them, weighted by the block's mass on them (measured as good as the
+    whole vocabulary's distribution for the path and its stop). The path starts with position 0's
+    top-1 and continues
+
+        path_{i+1} = argmax_x q(x | path_i)    while path_i is one of the block's m candidates at i
+
+    (only they have a row: a successor outside them ends the path there, kept). The path stop reads
+    the path's probability q_draft_0(path_0) · ∏ q(path_{i+1} | path_i), as EAGLE's stop does. On
+    HumanEval problems 100-115 (replayed greedy decoding, README Performance 2026-12-08 (small
+    hours)) the third draft was accepted in 0.17 of rounds (γ 3), the EAGLE head's in 0.19, the
+    lattice's best path's in 0.11. BlockDrafts' candidates are the block's at position 0 and, after
+    it, the successor's best after the path's token (runner-ups for draft trees; choice 0 everywhere).
+    """
+    if context is None:
+        raise ValueError("a corrector's successors need its cached context (corrector_context)")
+    batch, count, vocab = log_probs.shape
+    block_ranked, block_index = log_probs.topk(min(max(SUCCESSOR_CANDIDATES, width), vocab), dim=-1)  # [B, count, S]: best first (S >= m: width >= m)
+    lattice = block_index[..., : drafter.candidates]  # [B, count, m]
+    position, owner, tokens, row_visible, row_of = _candidate_rows(drafter, lattice, visible, drafter.head.config.first_from_anchor)
+    features = slot_features[owner, position].float()  # [rows, hidden]
+    context = for_rows(context, len(position) // batch)
+    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=far_memory)
+    next_index = block_index[owner, position + 1]  # [rows, S]: the block's S likeliest at each row's next position
+    next_rows = drafter.lm_head_rows[next_index if drafter.vocab_ids is None else drafter.vocab_ids[next_index]].float()  # [rows, S, hidden]
+    successor = torch.einsum("rh,rsh->rs", following.float(), next_rows).log_softmax(-1) + block_ranked[owner, position + 1].logsumexp(-1, keepdim=True)
+    successor_ranked, order = successor.topk(width, dim=-1)  # [rows, width]
+    successor_index = next_index.gather(-1, order)
+    path_ranked, path_index = block_ranked[..., :width].clone(), block_index[..., :width].clone()  # [B, count, width]: position 0 stays the block's
+    chain = torch.ones(batch, dtype=torch.long)  # [B]: drafts the chain reaches (position 0 always)
+    rank = torch.zeros(batch, dtype=torch.long)  # [B]: the path token's rank among position i's m candidates
+    has_row = torch.ones(batch, dtype=torch.bool)  # [B]: position i's path token has a successor row
+    for i in range(count - 1):
+        row = row_of[torch.arange(batch), i, rank]  # [B]
+        path_ranked[:, i + 1], path_index[:, i + 1] = successor_ranked[row], successor_index[row]
+        chain += has_row.long()
+        matches = lattice[:, i + 1] == successor_index[row, :1]  # [B, m]: where path_{i+1} sits in the lattice
+        has_row &= matches.any(-1)
+        rank = matches.long().argmax(-1)
+    most = chain if row_counts is None else torch.minimum(chain, row_counts)
+    lengths = path_lengths(path_ranked[..., 0].cumsum(-1), drafter.path_confidence, most)
+    token_ids = path_index if drafter.vocab_ids is None else drafter.vocab_ids[path_index]  # [B, count, width]
+    choice = torch.zeros(batch, count, dtype=torch.long)
+    row_passes = torch.full((batch,), 2, dtype=torch.long) if row_counts is None else 1 + (row_counts > 1).long()  # a 1-draft row reads no successor
+    return BlockDrafts(token_ids[..., 0], lengths, 2, row_passes, path_ranked, token_ids, choice)
 
 
 def path_runner_ups(drafts: BlockDrafts, row: int, count: int) -> list[tuple[int, int, float]]:
