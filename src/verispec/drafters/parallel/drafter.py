@@ -191,9 +191,9 @@ def draft_paths(
     if head.config.first_from_anchor:  # the first draft as EAGLE makes it (see ParallelConfig)
         hidden = torch.cat((head.norm(anchors)[:, None], hidden[:, 1:]), dim=1)
     log_probs = drafter.lm_head(hidden).float().log_softmax(-1)  # [B, count, draft_vocab]
-    ranked, index = log_probs.topk(max(drafter.candidates, width or 0), dim=-1)  # [B, count, width]: best first
     if drafter.correction and drafter.path_rule == "successor" and count > 1 and drafter.candidates > 1:
-        return _successor_paths(drafter, corrector_context, hidden, log_probs, starts, visible, far_memory, row_counts, ranked.shape[-1])
+        return _successor_paths(drafter, corrector_context, hidden, log_probs, starts, visible, far_memory, row_counts, max(drafter.candidates, width or 0))
+    ranked, index = log_probs.topk(max(drafter.candidates, width or 0), dim=-1)  # [B, count, width]: best first
     unary, lattice = ranked[..., : drafter.candidates], index[..., : drafter.candidates]  # [B, count, m]
     choice = torch.zeros(index.shape[:2], dtype=torch.long)  # [B, count]: top-1 per position
     passes, row_passes = 1, torch.ones(len(index), dtype=torch.long)
@@ -274,15 +274,10 @@ def _successor_paths(
     lattice's best path's in 0.11. BlockDrafts' candidates are the block's at position 0 and, after
     it, the successor's best after the path's token (runner-ups for draft trees; choice 0 everywhere).
     """
-    if context is None:
-        raise ValueError("a corrector's successors need its cached context (corrector_context)")
     batch, count, vocab = log_probs.shape
     block_ranked, block_index = log_probs.topk(min(max(SUCCESSOR_CANDIDATES, width), vocab), dim=-1)  # [B, count, S]: best first (S >= m: width >= m)
     lattice = block_index[..., : drafter.candidates]  # [B, count, m]
-    position, owner, tokens, row_visible, row_of = _candidate_rows(drafter, lattice, visible, drafter.head.config.first_from_anchor)
-    features = slot_features[owner, position].float()  # [rows, hidden]
-    context = for_rows(context, len(position) // batch)
-    following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=far_memory)
+    following, position, owner, row_of = _corrector_steps(drafter, context, slot_features, starts, lattice, visible, far_memory, drafter.head.config.first_from_anchor)
     next_index = block_index[owner, position + 1]  # [rows, S]: the block's S likeliest at each row's next position
     next_rows = drafter.lm_head_rows[next_index if drafter.vocab_ids is None else drafter.vocab_ids[next_index]].float()  # [rows, S, hidden]
     successor = torch.einsum("rh,rsh->rs", following.float(), next_rows).log_softmax(-1) + block_ranked[owner, position + 1].logsumexp(-1, keepdim=True)
@@ -369,13 +364,31 @@ def _successor_fit(
     Unlike the parallel head's own known-slot pass, the successor is conditioned on c through the
     layer's input, not only through attention. Each step sees the real context, not the other
     drafted positions."""
+    following, _, _, row_of = _corrector_steps(drafter, context, slot_features, starts, index, visible, far_memory, first_pinned)
+    return _fit_over_candidates(drafter, following[row_of], index)
+
+
+def _corrector_steps(
+    drafter: ParallelDrafter,
+    context: KeysValues | SequencePrefixes | None,  # [1, kv_heads, P, head_dim]: the corrector's cached context (or each row's own)
+    slot_features: torch.Tensor,  # [B, count, hidden]: ĥ_i
+    starts: torch.Tensor,  # [B] long: block positions L
+    index: torch.Tensor,  # [B, count, m]: candidate indices into the draft vocabulary
+    visible: torch.Tensor | None,  # [B, P] bool or None
+    far_memory: FarMemoryConfig | None,
+    first_pinned: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The corrector's step on (ĥ_i, embed(cand[i, c])) at position L+i for every row of
+    :func:`_candidate_rows`, in ONE call: (predicted features # [rows, hidden], each row's position i
+    # [rows], its drafted row b # [rows], row_of # [B, count-1, m]) — what the pair fit and the
+    successor paths both read."""
     if context is None:
         raise ValueError("a corrector's pair fit needs its cached context (corrector_context)")
     position, owner, tokens, row_visible, row_of = _candidate_rows(drafter, index, visible, first_pinned)
     features = slot_features[owner, position].float()  # [rows, hidden]: ĥ_i of each step
     context = for_rows(context, len(position) // len(index))  # each row b became its candidate rows
     following = drafter.corrector.independent_steps(features, drafter.embed(tokens).float(), starts[owner] + position, context, row_visible, far_memory=far_memory)  # [rows, hidden]
-    return _fit_over_candidates(drafter, following[row_of], index)
+    return following, position, owner, row_of
 
 
 def _candidate_rows(
